@@ -1,0 +1,179 @@
+"""The contract between the serving layers and an engine (MLX or third-party).
+
+Engines speak token ids only; text belongs to the HTTP front. Every engine
+method is thread-safe and non-blocking: work is queued to the engine's own
+thread, and results come back through callbacks *called on that thread*
+(async callers hop back with ``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+import numpy as np
+
+FINISH_STOP = "stop"  # EOS or a stop token id
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+def _from_known_fields(cls: type, data: dict[str, Any]) -> Any:
+    """Build a dataclass ignoring unknown keys (newer peers) and defaulting missing ones."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Seeded sampling is a pure function of (seed, position): same tokens on one node or two.
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        return _from_known_fields(cls, data)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Extra stop ids on top of the model's EOS ids.
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, or the terminal event of a request.
+
+    ``index`` is the position in the completion (0 = first generated token).
+    A terminal event has ``finish_reason`` set; its ``token_id`` is None only
+    when no token came with it (cancel, error).
+    """
+
+    request_id: str
+    index: int
+    token_id: int | None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    # architecture, num_layers, kv_heads, head_dim, dtype, cache_classes (list per layer)
+    fingerprint: dict[str, Any]
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+
+@dataclass
+class CacheLayer:
+    """One layer's K/V for one sequence, sliced to ``offset`` tokens.
+
+    ``keys``/``values`` are ``[1, kv_heads, T, head_dim]`` numpy arrays; bfloat16
+    travels as a ``uint16`` view with ``dtype == "bfloat16"``.
+    """
+
+    kind: str  # mlx-lm cache class name: "KVCache" or "RotatingKVCache"
+    keys: np.ndarray
+    values: np.ndarray
+    dtype: str
+    offset: int
+    meta: dict[str, Any] = field(default_factory=dict)  # e.g. RotatingKVCache max_size/keep/idx
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.values.nbytes)
+
+
+@dataclass
+class CacheState:
+    layers: list[CacheLayer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+@dataclass
+class PrefillResult:
+    request: GenerationRequest
+    first_token: int
+    cache: CacheState
+    # Set when the first token already ends the request (EOS, or max_tokens == 1).
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    queued: int = 0
+    active_sequences: int = 0
+    kv_bytes: int = 0
+    free_kv_fraction: float = 1.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    max_sequences: int = 128
+    # Prefill chunk size; hybrid and prefill roles share it so results stay byte-exact.
+    chunk_size_tokens: int = 512
+    memory_threshold: float = 0.85
+    kv_memory_bytes: int = 4 * 1024**3
+    warmup: bool = True
+
+
+EmitToken = Callable[[TokenEvent], None]
+LayerReady = Callable[[int, CacheLayer], None]
+PrefillDone = Callable[[PrefillResult | Exception], None]
+
+
+class Engine(Protocol):
+    """What every engine plugin provides (``mlxcel_register_engines``)."""
+
+    info: ModelInfo
+
+    def start(self) -> None:
+        """Start the engine thread (and warm up when configured)."""
+
+    def close(self) -> None:
+        """Stop the thread; pending requests end with FINISH_CANCELLED."""
+
+    def generate(self, request: GenerationRequest, emit: EmitToken) -> None:
+        """Single node: prefill then decode locally; emit every token, then one terminal event."""
+
+    def prefill(
+        self, request: GenerationRequest, on_done: PrefillDone, on_layer: LayerReady | None = None
+    ) -> None:
+        """Prefill only: ``on_layer`` as each layer's K/V is evaluated, then ``on_done``."""
+
+    def decode(
+        self, request: GenerationRequest, first_token: int, cache: CacheState, emit: EmitToken
+    ) -> None:
+        """Join the running batch with a cache prefilled elsewhere; emits tokens from index 1."""
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request and free its memory; emits a FINISH_CANCELLED event if it was live."""
+
+    def stats(self) -> EngineStats: ...
