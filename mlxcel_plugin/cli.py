@@ -1,0 +1,121 @@
+"""``mlxcel-server``: parse flags, build the config, load plugins, run a role.
+
+Every role comes from a plugin (``mlxcel_register_roles``), so this module
+imports neither ``engines`` nor ``router_plugin``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from mlxcel_plugin import openblas
+from mlxcel_plugin.config import ROLES, ServerConfig, build_config
+from mlxcel_plugin.errors import ConfigError, MlxcelError
+from mlxcel_plugin.plugins import load_plugins
+
+PROG = "mlxcel-server"
+DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Disaggregated MLX inference: hybrid, prefill, decode or router node.",
+        argument_default=argparse.SUPPRESS,  # only flags actually given override TOML/env
+    )
+    add = parser.add_argument
+    add("--model", help="mlx-lm checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
+    add("--served-model-name", help="model name served at /v1/models (default: dir name)")
+    add("--host", help="HTTP bind host (default 127.0.0.1)")
+    add("--port", type=int, help="HTTP port (default 8080)")
+    add("--node-role", dest="role", choices=ROLES, help="serving role (default hybrid)")
+    add("--engine", help="engine plugin name (default mlx)")
+    add("--serving-bind", help="this node's link listener HOST:PORT")
+    add("--prefill-peers", help="comma-separated prefill node link addresses")
+    add("--decode-peers", help="comma-separated decode node link addresses")
+    add("--peers", help="comma-separated static peer addresses for discovery")
+    add("--node-id", help="unique node id (default: role@bind)")
+    add("--cluster-secret-file", help="pre-shared cluster secret file")
+    add("--distributed-config", help="TOML cluster configuration file")
+    add("--prefill-balancer", help="prefill pool balancer (default round-robin)")
+    add("--decode-balancer", help="decode pool balancer (default round-robin)")
+    add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
+    add("--log-level", choices=("debug", "info", "warning", "error"), help="log level")
+    return parser
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLXCEL_CACHE_DIR") or Path.home() / ".cache" / "mlxcel")
+
+
+def resolve_default_model() -> str:
+    """The embedded model's MLX checkpoint, converted once by the engines package.
+
+    Conversion needs MLX, so it runs in a child process: the router (and this
+    module) never import MLX.
+    """
+    target = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    if (target / "config.json").is_file():
+        return str(target)
+    done = subprocess.run(
+        [sys.executable, "-m", "engines.model_store", "smollm2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ConfigError(f"could not prepare the default model: {tail[0]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def resolve_model(config: ServerConfig) -> ServerConfig:
+    model = config.model or resolve_default_model()
+    name = config.served_model_name or Path(model).name
+    return replace(config, model=model, served_model_name=name)
+
+
+def maybe_reexec_with_openblas(config: ServerConfig, argv: Sequence[str]) -> None:
+    """Engine roles run MLX on the CPU; re-exec once with OpenBLAS preloaded."""
+    if config.role == "router":
+        return
+    env = openblas.preload_env(os.environ)
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "mlxcel_plugin.cli", *argv], env)
+
+
+def run(argv: Sequence[str]) -> None:
+    args: dict[str, Any] = vars(make_parser().parse_args(argv))
+    config = build_config(args)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    maybe_reexec_with_openblas(config, argv)
+    config = resolve_model(config)
+    registry = load_plugins()
+    run_role = registry.get("role", config.role)
+    run_role(config, registry)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run(argv)
+    except MlxcelError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

