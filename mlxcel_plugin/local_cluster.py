@@ -1,0 +1,173 @@
+"""Start a router + prefill + decode cluster (or one hybrid node) on 127.0.0.1.
+
+Used by the quick start, the integration tests and the benchmarks: real
+processes, real sockets, stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxcel_plugin.secret import generate_secret_file
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def http_get_json(url: str, timeout_s: float = 2.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+@dataclass
+class NodeProcess:
+    role: str
+    port: int
+    serving_bind: str | None
+    log_path: Path
+    process: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def is_healthy(self) -> bool:
+        try:
+            return http_get_json(f"{self.url}/health").get("status") == "ok"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.role} node exited: {self.log_tail()}")
+            if self.is_healthy():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.role} node not healthy after {timeout_s}s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=timeout_s)
+
+
+def start_node(
+    role: str,
+    workdir: Path,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    serving_bind: str | None = None,
+    name: str | None = None,
+) -> NodeProcess:
+    port = port or free_port()
+    argv = [sys.executable, "-m", "mlxcel_plugin.cli", "--node-role", role, "--port", str(port)]
+    if serving_bind:
+        argv += ["--serving-bind", serving_bind]
+    argv += args
+    log_path = workdir / f"{name or role}-{port}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its whole life
+    process = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
+    log.close()
+    return NodeProcess(role, port, serving_bind, log_path, process, argv)
+
+
+@dataclass
+class LocalCluster:
+    """``prefill_count`` prefill + ``decode_count`` decode nodes behind one router."""
+
+    workdir: Path
+    model: str | None = None
+    prefill_count: int = 1
+    decode_count: int = 1
+    router_port: int | None = None
+    common_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    nodes: list[NodeProcess] = field(default_factory=list)
+
+    @property
+    def secret_path(self) -> Path:
+        return self.workdir / "cluster.secret"
+
+    @property
+    def router(self) -> NodeProcess:
+        return next(node for node in self.nodes if node.role == "router")
+
+    def pool(self, role: str) -> list[NodeProcess]:
+        return [node for node in self.nodes if node.role == role]
+
+    def _args(self) -> list[str]:
+        args = ["--cluster-secret-file", str(self.secret_path), *self.common_args]
+        return args + (["--model", self.model] if self.model else [])
+
+    def start_engine_node(self, role: str, serving_bind: str | None = None) -> NodeProcess:
+        bind = serving_bind or f"{LOOPBACK}:{free_port()}"
+        node = start_node(role, self.workdir, self._args(), env=self.env, serving_bind=bind)
+        self.nodes.append(node)
+        return node
+
+    def start(self, timeout_s: float = 300.0) -> LocalCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if not self.secret_path.exists():
+            generate_secret_file(self.secret_path)
+        for _ in range(self.prefill_count):
+            self.start_engine_node("prefill")
+        for _ in range(self.decode_count):
+            self.start_engine_node("decode")
+        peers = [
+            "--prefill-peers",
+            ",".join(n.serving_bind for n in self.pool("prefill")),
+            "--decode-peers",
+            ",".join(n.serving_bind for n in self.pool("decode")),
+        ]
+        router_args = [*self._args(), *peers, *self.router_args]
+        router = start_node(
+            "router", self.workdir, router_args, env=self.env, port=self.router_port
+        )
+        self.nodes.append(router)
+        try:
+            for node in self.nodes:
+                node.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            node.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

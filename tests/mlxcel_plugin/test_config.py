@@ -1,0 +1,96 @@
+import pytest
+
+from mlxcel_plugin.config import ServerConfig, build_config, parse_host_port, split_addresses
+from mlxcel_plugin.errors import ConfigError
+
+
+def write_toml(tmp_path, text):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_any_source():
+    config = build_config({}, env={})
+    assert config == ServerConfig(engine_config=config.engine_config)
+    assert (config.role, config.host, config.port) == ("hybrid", "127.0.0.1", 8080)
+    assert config.engine_config.max_batch_size == 32
+
+
+def test_cli_beats_toml_beats_env(tmp_path):
+    toml = write_toml(tmp_path, '[server]\nport = 9001\nhost = "127.0.0.2"\n')
+    env = {"MLXCEL_PORT": "9000", "MLXCEL_HOST": "127.0.0.3", "MLXCEL_NODE_ID": "n1"}
+    config = build_config({"distributed_config": toml, "port": 9002}, env=env)
+    assert config.port == 9002
+    assert config.host == "127.0.0.2"
+    assert config.node_id == "n1"
+
+
+def test_peer_lists_from_env_and_toml(tmp_path):
+    toml = write_toml(tmp_path, '[server]\ndecode_peers = ["127.0.0.1:7001", "127.0.0.1:7002"]\n')
+    config = build_config(
+        {"distributed_config": toml, "role": "router"},
+        env={"MLXCEL_PREFILL_PEERS": "127.0.0.1:6001, 127.0.0.1:6002"},
+    )
+    assert config.prefill_peers == ("127.0.0.1:6001", "127.0.0.1:6002")
+    assert config.decode_peers == ("127.0.0.1:7001", "127.0.0.1:7002")
+
+
+def test_engine_section_and_no_warmup(tmp_path):
+    toml = write_toml(tmp_path, "[engine]\nmax_batch_size = 8\nwarmup = true\n")
+    config = build_config({"distributed_config": toml, "warmup": False}, env={})
+    assert config.engine_config.max_batch_size == 8
+    assert config.engine_config.warmup is False
+
+
+def test_other_sections_are_kept_raw(tmp_path):
+    toml = write_toml(tmp_path, "[transfer]\nstrategy = \"streamed\"\n")
+    config = build_config({"distributed_config": toml}, env={})
+    assert config.section("transfer") == {"strategy": "streamed"}
+    assert config.section("missing") == {}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"role": "oracle"}, "--node-role must be one of"),
+        ({"port": 70000}, "--port must be 1..65535"),
+        ({"role": "prefill"}, "needs --serving-bind"),
+        ({"role": "router", "prefill_peers": "127.0.0.1:1"}, "needs --prefill-peers and --decode-peers"),
+        ({"serving_bind": "nohost"}, "is not host:port"),
+        ({"model": "/definitely/not/here"}, "not a checkpoint directory"),
+    ],
+)
+def test_invalid_values_are_one_line_config_errors(values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(values, env={})
+
+
+def test_unknown_toml_keys_are_named(tmp_path):
+    toml = write_toml(tmp_path, "[server]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        build_config({"distributed_config": toml}, env={})
+    toml = write_toml(tmp_path, "[engine]\nmax_batch = 1\n")
+    with pytest.raises(ConfigError, match=r"\[engine\]: unknown key\(s\) max_batch"):
+        build_config({"distributed_config": toml}, env={})
+
+
+def test_bad_toml_and_bad_types(tmp_path):
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        build_config({"distributed_config": write_toml(tmp_path, "[server\n")}, env={})
+    with pytest.raises(ConfigError, match="invalid value"):
+        build_config({}, env={"MLXCEL_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="no such file"):
+        build_config({"distributed_config": str(tmp_path / "none.toml")}, env={})
+
+
+def test_address_parsing():
+    assert parse_host_port("[::1]:80") == ("::1", 80)
+    assert split_addresses(" a:1 ,, b:2 ") == ("a:1", "b:2")
+    with pytest.raises(ConfigError):
+        parse_host_port("a:0")
+
+
+def test_node_id_defaults_from_role_and_bind():
+    config = build_config({"role": "decode", "serving_bind": "127.0.0.1:7000"}, env={})
+    assert config.effective_node_id == "decode@127.0.0.1:7000"
