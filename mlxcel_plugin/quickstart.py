@@ -19,9 +19,9 @@ from mlxcel_plugin.local_cluster import LocalCluster
 QUESTION = "What is the capital of France?"
 
 
-def ask(base_url: str, question: str, max_tokens: int) -> dict:
+def ask(base_url: str, model: str, question: str, max_tokens: int) -> dict:
     body = {
-        "model": "default",
+        "model": model,
         "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -59,9 +59,10 @@ def main() -> None:
         for node in cluster.nodes:
             print(f"  {node.role:<8} http://127.0.0.1:{node.port}  link {node.serving_bind or '-'}")
         print(f"\nQ: {args.question}")
-        reply = ask(base_url, args.question, args.max_tokens)
+        model = served_model(base_url)
+        reply = ask(base_url, model, args.question, args.max_tokens)
         print(f"A: {reply['choices'][0]['message']['content'].strip()}")
-        print(f"usage: {reply['usage']}  model: {served_model(base_url)}")
+        print(f"usage: {reply['usage']}  model: {model}")
         if args.serve:
             print(f"\nserving at {base_url}/v1 — Ctrl-C to stop")
             try:
