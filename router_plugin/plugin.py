@@ -12,9 +12,20 @@ def mlxcel_register_balancers(register: Register) -> None:
         register(name, factory)
 
 
-# --- roles -------------------------------------------------------------------
-# The lead registers the ``router`` role here, e.g.:
-#
-# @hookimpl
-# def mlxcel_register_roles(register: Register) -> None:
-#     register("router", run_router)
+def run_hybrid(config, registry) -> None:
+    # Imported on use: prefill/decode nodes load this plugin too and need no FastAPI.
+    from router_plugin.roles import run_hybrid as run
+
+    run(config, registry)
+
+
+def run_router(config, registry) -> None:
+    from router_plugin.roles import run_router as run
+
+    run(config, registry)
+
+
+@hookimpl
+def mlxcel_register_roles(register: Register) -> None:
+    register("hybrid", run_hybrid)
+    register("router", run_router)

@@ -1,0 +1,241 @@
+"""Hybrid node vs ``mlx_lm server`` on the same checkpoint and the same requests.
+
+Starts both servers on 127.0.0.1, sends identical streaming chat requests at
+each concurrency level, and reports throughput (generated tokens/s), TTFT and
+inter-token latency (p50/p99) with the hybrid/mlx-lm ratio. Bounded: a fixed
+number of requests per level and an overall deadline.
+
+    python loadtests/bench_hybrid_vs_mlx_lm.py [--model DIR] [--requests 16]
+        [--max-tokens 64] [--concurrency 1,8] [--deadline-s 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from mlxcel_plugin import openblas
+
+REPO = Path(__file__).resolve().parents[1]
+HEALTH_TIMEOUT_S = 180
+PROMPTS = [
+    "Write a short story about a fox.",
+    "Explain how a rainbow forms.",
+    "List three uses for a paperclip.",
+    "Describe the city of Paris in spring.",
+]
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    itl_s: list[float]
+    tokens: int
+
+
+@dataclass
+class LevelResult:
+    server: str
+    concurrency: int
+    wall_s: float
+    samples: list[Sample] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall_s if self.wall_s else 0.0
+
+    def summary(self) -> dict[str, float]:
+        ttft = [s.ttft_s for s in self.samples]
+        itl = [gap for s in self.samples for gap in s.itl_s]
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+            "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "itl_p50_ms": 1e3 * percentile(itl, 50),
+            "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "errors": float(self.errors),
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hybrid_command(model: str, port: int) -> list[str]:
+    flags = ["--node-role", "hybrid", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+    return [sys.executable, "-m", "mlxcel_plugin.cli", *flags]
+
+
+def mlx_lm_command(model: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{base_url}: server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # still starting
+        time.sleep(0.25)
+    raise TimeoutError(f"{base_url} did not become healthy")
+
+
+@contextmanager
+def running(command: list[str], port: int) -> Iterator[str]:
+    # Both servers get the same BLAS: the CLI would re-exec with OpenBLAS, mlx_lm would not.
+    env = {**(openblas.preload_env(os.environ) or os.environ), "PYTHONUNBUFFERED": "1"}
+    # Quiet: mlx_lm logs every request to stderr; a failed start still shows its exit code.
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process)
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> Sample:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                stamps.append(time.perf_counter())
+    if not stamps:
+        raise RuntimeError("no content streamed")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return Sample(stamps[0] - start, gaps, tokens)
+
+
+async def run_level(
+    name: str, base_url: str, model_field: str, args: argparse.Namespace, concurrency: int
+) -> LevelResult:
+    bodies = [
+        {"model": model_field, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+         "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
+         "stream_options": {"include_usage": True}}
+        for i in range(args.requests)
+    ]  # fmt: skip
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout_s) as client:
+        await one_request(client, bodies[0])  # warm-up, not measured
+
+        async def bounded(body: dict) -> Sample | Exception:
+            async with limit:
+                try:
+                    return await one_request(client, body)
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    return exc
+
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(bounded(b) for b in bodies))
+        result = LevelResult(name, concurrency, time.perf_counter() - start)
+    for outcome in outcomes:
+        if isinstance(outcome, Sample):
+            result.samples.append(outcome)
+        else:
+            result.errors += 1
+            print(f"  {name} c={concurrency}: request failed: {outcome}", file=sys.stderr)
+    return result
+
+
+def bench_server(
+    name: str, command: list[str], port: int, model_field: str, args: argparse.Namespace
+) -> list[LevelResult]:
+    with running(command, port) as base_url:
+        return [
+            asyncio.run(asyncio.wait_for(
+                run_level(name, base_url, model_field, args, c), timeout=args.deadline_s
+            ))
+            for c in args.concurrency
+        ]  # fmt: skip
+
+
+def print_report(hybrid: list[LevelResult], mlx_lm: list[LevelResult]) -> None:
+    keys = ["tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors"]
+    print(f"{'metric':<14}{'conc':>5}{'hybrid':>12}{'mlx_lm':>12}{'ratio':>8}")
+    for h, m in zip(hybrid, mlx_lm, strict=True):
+        hs, ms = h.summary(), m.summary()
+        for key in keys:
+            ratio = hs[key] / ms[key] if ms[key] else float("nan")
+            print(f"{key:<14}{h.concurrency:>5}{hs[key]:>12.2f}{ms[key]:>12.2f}{ratio:>8.2f}")
+    print("ratio = hybrid / mlx_lm (throughput: higher is better; latencies: lower is better)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint dir (default: the tiny test model)")
+    parser.add_argument("--requests", type=int, default=16, help="requests per level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,8", help="comma-separated levels")
+    parser.add_argument("--deadline-s", type=float, default=600, help="per level")
+    parser.add_argument("--request-timeout-s", type=float, default=120)
+    parser.add_argument("--out", help="also write the summaries as JSON here")
+    args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.model is None:
+        from engines.model_store import ensure_tiny_model
+
+        args.model = str(ensure_tiny_model())
+    port = free_port()
+    hybrid = bench_server("hybrid", hybrid_command(args.model, port), port, Path(args.model).name,
+                          args)  # fmt: skip
+    port = free_port()
+    mlx_lm = bench_server("mlx_lm", mlx_lm_command(args.model, port), port, args.model, args)
+    print_report(hybrid, mlx_lm)
+    if args.out:
+        summaries = [
+            {"server": r.server, "concurrency": r.concurrency, **r.summary()}
+            for r in hybrid + mlx_lm
+        ]
+        Path(args.out).write_text(json.dumps(summaries, indent=2))
+
+
+if __name__ == "__main__":
+    main()

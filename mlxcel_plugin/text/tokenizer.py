@@ -1,0 +1,123 @@
+"""Tokenizer wrapper: the only place the text pipeline touches ``transformers``.
+
+Loads the fast tokenizer shipped in a checkpoint directory, so the router can
+template, tokenize and detokenize without model weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from mlxcel_plugin.errors import ConfigError, InvalidRequestError
+
+# Config keys that name the context window, most specific first.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+# Special tokens some models use to open a tool call (kept through detokenization).
+KNOWN_TOOL_TOKENS = ("<|python_tag|>", "[TOOL_CALLS]")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _as_ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _unique(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(ids))
+
+
+class TextTokenizer:
+    """Chat template, encode/decode and special ids of one checkpoint."""
+
+    def __init__(
+        self, hf_tokenizer: Any, *, eos_token_ids: Sequence[int], context_length: int | None
+    ):
+        self.hf = hf_tokenizer
+        self.eos_token_ids = _unique(eos_token_ids)
+        self.context_length = context_length
+        self.special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self.vocab_size = len(hf_tokenizer)
+        # get_vocab() copies the whole vocabulary: look the tool tokens up once.
+        vocab = hf_tokenizer.get_vocab()
+        self._tool_tokens = {vocab[t]: t for t in KNOWN_TOOL_TOKENS if t in vocab}
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> TextTokenizer:
+        # Imported here so importing the text package stays cheap.
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), use_fast=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
+        config = _read_json(path / "config.json")
+        generation = _read_json(path / "generation_config.json")
+        eos = _as_ids(hf.eos_token_id) + _as_ids(config.get("eos_token_id"))
+        eos += _as_ids(generation.get("eos_token_id"))
+        return cls(hf, eos_token_ids=eos, context_length=_context_length(config))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # No space clean-up: streamed pieces must concatenate to exactly this.
+        return self.hf.decode(
+            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """The literal text of one token, special or not."""
+        return self.hf.convert_tokens_to_string([self.hf.convert_ids_to_tokens(token_id)])
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``, ending with the assistant generation prompt."""
+        try:
+            text = self.hf.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **dict(template_kwargs or {}),
+            )
+        except (TemplateError, ValueError, TypeError) as exc:
+            message = f"cannot apply the chat template: {exc}"
+            raise InvalidRequestError(message, param="messages") from exc
+        return text if isinstance(text, str) else str(text)
+
+    def encode_chat(self, prompt_text: str) -> list[int]:
+        # The template already wrote BOS and role markers as text.
+        return self.encode(prompt_text, add_special_tokens=False)
+
+    def tool_token_ids(self) -> dict[int, str]:
+        """Special tokens this vocabulary uses to open tool calls, by id."""
+        return dict(self._tool_tokens)
+
+
+def _context_length(config: Mapping[str, Any]) -> int | None:
+    for key in _CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

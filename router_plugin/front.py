@@ -1,0 +1,339 @@
+"""OpenAI-compatible HTTP front over any ``TokenBackend`` (hybrid or router).
+
+The front owns text: chat template, tokenizing, detokenizing, stop strings,
+the stream filter and usage. Handlers stay short; validation lives in
+``openai_schema``, bodies in ``responses``, the token loop in ``generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
+
+from mlxcel_plugin.engine_api import GenerationRequest
+from mlxcel_plugin.errors import (
+    AtCapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    MlxcelError,
+    ModelNotFoundError,
+)
+from mlxcel_plugin.text import (
+    CompletionPipeline,
+    FilterMarkers,
+    StreamFilter,
+    TextDelta,
+    TextTokenizer,
+    prompt_opens_reasoning,
+)
+from router_plugin import responses, sse
+from router_plugin.backend import TokenBackend
+from router_plugin.generation import Generation
+from router_plugin.metrics import CONTENT_TYPE, FrontMetrics
+from router_plugin.openai_schema import (
+    CommonParams,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+
+logger = logging.getLogger(__name__)
+
+# Used only when neither the request nor the model's config bounds the output.
+FALLBACK_MAX_TOKENS = 4096
+
+T = TypeVar("T")
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+@dataclass(frozen=True)
+class Job:
+    meta: responses.ResponseMeta
+    request: GenerationRequest
+    pipeline: CompletionPipeline
+    stream: bool
+    include_usage: bool
+    arrival_s: float
+
+
+# -- errors -------------------------------------------------------------------
+
+
+def error_response(exc: MlxcelError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, AtCapacityError):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
+
+
+def _http_error(status: int, message: str, code: str) -> JSONResponse:
+    error_type = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error a client sees is OpenAI-shaped, including framework 404/405/422."""
+
+    async def on_mlxcel(_: Request, exc: MlxcelError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _http_error(exc.status_code, str(exc.detail), code)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _http_error(422, f"invalid request: {exc.errors()}", "validation_error")
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request", exc_info=exc)
+        return _http_error(500, "internal server error", "internal_error")
+
+    app.add_exception_handler(MlxcelError, on_mlxcel)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+# -- disconnects --------------------------------------------------------------
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; cancel it (running its cleanup) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose body iterator is always closed, even on disconnect."""
+
+    media_type = sse.MEDIA_TYPE
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            # Shielded: the cleanup (engine cancel) must run inside a cancelled scope too.
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+# -- the front ----------------------------------------------------------------
+
+
+class OpenAIFront:
+    def __init__(
+        self,
+        backend: TokenBackend,
+        tokenizer: TextTokenizer,
+        model_id: str,
+        *,
+        context_length: int | None,
+        system_fingerprint: str | None,
+        metrics: FrontMetrics,
+    ):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.context_length = context_length or tokenizer.context_length
+        self.system_fingerprint = system_fingerprint
+        self.metrics = metrics
+        self.markers = FilterMarkers().with_tool_openers(list(tokenizer.tool_token_ids().values()))
+
+    # routes
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival_s = time.perf_counter()
+        params = parse_chat_request(parse_json_body(await request.body()))
+        self._check_model(params.common.model)
+        prompt_text = self.tokenizer.render_chat(
+            params.messages, tools=params.tools, template_kwargs=params.template_kwargs
+        )
+        prompt = self.tokenizer.encode_chat(prompt_text)
+        stream_filter = StreamFilter(
+            self.markers, start_in_reasoning=prompt_opens_reasoning(prompt_text, self.markers)
+        )
+        job = self._job(
+            responses.CHAT, prompt, params.common, arrival_s,
+            stream_filter=stream_filter, parse_tools=params.tools is not None,
+        )  # fmt: skip
+        return await self._serve(request, job)
+
+    async def completions(self, request: Request) -> Response:
+        arrival_s = time.perf_counter()
+        params = parse_completion_request(parse_json_body(await request.body()))
+        self._check_model(params.common.model)
+        if isinstance(params.prompt, str):
+            prompt = self.tokenizer.encode(params.prompt)
+        else:
+            prompt = self._checked_token_ids(params.prompt)
+        job = self._job(responses.TEXT, prompt, params.common, arrival_s)
+        return await self._serve(request, job)
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mlxcel"}
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> JSONResponse:
+        if self.backend.is_ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    def render_metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # request planning
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            message = f"the model {model!r} does not exist; this server serves {self.model_id!r}"
+            raise ModelNotFoundError(message, param="model")
+
+    def _checked_token_ids(self, ids: list[int]) -> list[int]:
+        if any(t >= self.tokenizer.vocab_size for t in ids):
+            message = f"token ids must be below the vocabulary size {self.tokenizer.vocab_size}"
+            raise InvalidRequestError(message, param="prompt")
+        return ids
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        ctx = self.context_length
+        if not prompt_len:
+            raise InvalidRequestError("the prompt is empty", param=param)
+        if ctx is not None and prompt_len >= ctx:
+            message = f"the prompt has {prompt_len} tokens; the model's context is {ctx} tokens"
+            raise ContextLengthError(message, param=param)
+        room = ctx - prompt_len if ctx is not None else FALLBACK_MAX_TOKENS
+        # Clamped rather than refused: the output simply ends with "length" at the context end.
+        return min(requested, room) if requested is not None else room
+
+    def _job(
+        self,
+        kind: str,
+        prompt: list[int],
+        common: CommonParams,
+        arrival_s: float,
+        *,
+        stream_filter: StreamFilter | None = None,
+        parse_tools: bool = False,
+    ) -> Job:
+        param = "messages" if kind == responses.CHAT else "prompt"
+        max_tokens = self._max_tokens(len(prompt), common.max_tokens, param)
+        prefix = "chatcmpl" if kind == responses.CHAT else "cmpl"
+        meta = responses.ResponseMeta(
+            kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_id,
+            self.system_fingerprint,
+        )  # fmt: skip
+        request = GenerationRequest(
+            request_id=meta.id,
+            prompt_tokens=tuple(prompt),
+            max_tokens=max_tokens,
+            sampling=common.sampling,
+            stop_token_ids=self.tokenizer.eos_token_ids,
+        )
+        pipeline = CompletionPipeline(
+            self.tokenizer, max_tokens=max_tokens, stop=common.stop,
+            stream_filter=stream_filter, parse_tools=parse_tools,
+        )  # fmt: skip
+        return Job(meta, request, pipeline, common.stream, common.include_usage, arrival_s)
+
+    # serving
+
+    def _generation(self, job: Job) -> Generation:
+        return Generation(self.backend, job.request, job.pipeline, self.metrics, job.arrival_s)
+
+    async def _serve(self, request: Request, job: Job) -> Response:
+        generation = self._generation(job)
+        try:
+            if not job.stream:
+                body = await run_until_disconnect(request, self._complete(job, generation))
+                return JSONResponse(body)
+            await run_until_disconnect(request, generation.start())
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; ends the handler cleanly
+        return SSEResponse(self._sse(job, generation), headers=sse.HEADERS)
+
+    async def _complete(self, job: Job, generation: Generation) -> dict[str, Any]:
+        total = TextDelta()
+        async for delta in generation.deltas():
+            responses.accumulate(total, delta)
+        generation.raise_if_failed()
+        counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
+        return responses.full_body(job.meta, total, job.pipeline.finish_reason or "stop", counts)
+
+    async def _sse(self, job: Job, generation: Generation) -> AsyncIterator[bytes]:
+        if job.meta.kind == responses.CHAT:
+            yield sse.event(responses.role_chunk(job.meta))
+        async for delta in generation.deltas():
+            yield sse.event(responses.delta_chunk(job.meta, delta))
+        try:
+            generation.raise_if_failed()
+        except MlxcelError as exc:
+            # Headers are gone: the error travels as an event, then the stream ends.
+            yield sse.event(exc.to_openai())
+            yield sse.DONE
+            return
+        yield sse.event(responses.delta_chunk(job.meta, None, job.pipeline.finish_reason))
+        if job.include_usage:
+            counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
+            yield sse.event(responses.usage_chunk(job.meta, counts))
+        yield sse.DONE
+
+
+def make_app(
+    backend: TokenBackend,
+    tokenizer: TextTokenizer,
+    model_id: str,
+    *,
+    context_length: int | None = None,
+    system_fingerprint: str | None = None,
+    lifespan: Lifespan | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app; ``context_length`` defaults to the tokenizer's config."""
+    front = OpenAIFront(
+        backend, tokenizer, model_id,
+        context_length=context_length, system_fingerprint=system_fingerprint,
+        metrics=FrontMetrics(model_id),
+    )  # fmt: skip
+    app = FastAPI(
+        title="mlxcel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    install_error_handlers(app)
+    app.state.front = front
+    app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", front.completions, methods=["POST"])
+    app.add_api_route("/v1/models", front.models, methods=["GET"])
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.render_metrics, methods=["GET"])
+    return app

@@ -1,0 +1,110 @@
+"""One request's run: backend token events → text deltas, timed for metrics.
+
+The front owns the ``max_tokens`` budget, EOS and stop strings: when the
+pipeline is done it closes the backend iterator itself, which cancels the
+request in the engine (or on the remote nodes) and frees its memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
+from mlxcel_plugin.errors import EngineError, NodeLostError
+from mlxcel_plugin.text import CompletionPipeline, TextDelta
+from router_plugin.backend import TokenBackend
+from router_plugin.metrics import FrontMetrics
+
+
+class Generation:
+    def __init__(
+        self,
+        backend: TokenBackend,
+        request: GenerationRequest,
+        pipeline: CompletionPipeline,
+        metrics: FrontMetrics,
+        arrival_s: float,
+    ):
+        self.request = request
+        self.pipeline = pipeline
+        self._backend = backend
+        self._metrics = metrics
+        self._arrival_s = arrival_s
+        self._last_token_s: float | None = None
+        self._events: AsyncIterator[TokenEvent] | None = None
+        self._first: TokenEvent | None = None
+        self._lost = False  # the stream ended without a terminal event
+
+    async def start(self) -> None:
+        """Wait for the first event, so admission/engine errors become HTTP statuses."""
+        self._events = self._backend.stream(self.request)
+        self._metrics.request_started(len(self.request.prompt_tokens))
+        try:
+            self._first = await anext(self._events)
+        except StopAsyncIteration:
+            self._first, self._lost = None, True
+            self.pipeline.fail("the token stream ended before the first event")
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        """Text deltas until the pipeline is done; closes the backend stream either way."""
+        if self._events is None:
+            await self.start()
+        try:
+            if self._first is not None:
+                delta = self._feed(self._first)
+                if delta:
+                    yield delta
+            while self._events is not None and not self.pipeline.done:
+                event = await anext(self._events, None)
+                if event is None:
+                    self._lost = True
+                    self.pipeline.fail("the token stream ended without a finish event")
+                    break
+                delta = self._feed(event)
+                if delta:
+                    yield delta
+        finally:
+            await self.aclose()
+
+    def raise_if_failed(self) -> None:
+        if self.pipeline.finish_reason != FINISH_ERROR:
+            return
+        if self._lost:
+            raise NodeLostError(self.pipeline.error)
+        raise EngineError(self.pipeline.error or "generation failed")
+
+    async def aclose(self) -> None:
+        events, self._events = self._events, None
+        if events is None:
+            return
+        self._metrics.request_ended()
+        aclose = getattr(events, "aclose", None)  # async generators cancel on close
+        if aclose is not None:
+            await aclose()
+        self._record_finish()
+
+    def _feed(self, event: TokenEvent) -> TextDelta:
+        if event.token_id is not None:
+            self._time_token(time.perf_counter())
+        return self.pipeline.feed(event)
+
+    def _time_token(self, now_s: float) -> None:
+        if self._last_token_s is None:
+            self._metrics.first_token(now_s - self._arrival_s)
+        else:
+            self._metrics.next_token(now_s - self._last_token_s)
+        self._last_token_s = now_s
+
+    def _record_finish(self) -> None:
+        reason = self.pipeline.finish_reason
+        if reason is None:
+            self._metrics.failed("cancelled")
+        elif reason == FINISH_ERROR:
+            self._metrics.failed("engine_error")
+        else:
+            e2e_s = time.perf_counter() - self._arrival_s
+            self._metrics.finished(reason, self.pipeline.completion_tokens, e2e_s)

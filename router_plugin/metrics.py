@@ -1,0 +1,77 @@
+"""Prometheus metrics of the HTTP front (vLLM-style names, ``mlxcel:`` prefix).
+
+One registry per app, never the process-global one: several apps (tests, a
+router and a hybrid in one process) must not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class FrontMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self._ttft = Histogram(
+            "mlxcel:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._itl = Histogram(
+            "mlxcel:inter_token_latency_seconds", "Time between generated tokens.", labels,
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._e2e = Histogram(
+            "mlxcel:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._prompt = Counter(
+            "mlxcel:prompt_tokens", "Prompt tokens processed.", labels, registry=r
+        )
+        self._generation = Counter(
+            "mlxcel:generation_tokens", "Tokens generated.", labels, registry=r
+        )
+        self._success = Counter(
+            "mlxcel:request_success", "Finished requests.", labels + ["finished_reason"],
+            registry=r,
+        )  # fmt: skip
+        self._errors = Counter(
+            "mlxcel:request_errors", "Requests that failed.", labels + ["code"], registry=r
+        )
+        self._running = Gauge(
+            "mlxcel:num_requests_running", "Requests being generated.", labels, registry=r
+        )
+        self._model = model_name
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request_started(self, prompt_tokens: int) -> None:
+        self._prompt.labels(self._model).inc(prompt_tokens)
+        self._running.labels(self._model).inc()
+
+    def request_ended(self) -> None:
+        self._running.labels(self._model).dec()
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.labels(self._model).observe(seconds)
+
+    def next_token(self, seconds: float) -> None:
+        self._itl.labels(self._model).observe(seconds)
+
+    def finished(self, reason: str, generated_tokens: int, e2e_s: float) -> None:
+        self._generation.labels(self._model).inc(generated_tokens)
+        self._success.labels(self._model, reason).inc()
+        self._e2e.labels(self._model).observe(e2e_s)
+
+    def failed(self, code: str) -> None:
+        self._errors.labels(self._model, code).inc()

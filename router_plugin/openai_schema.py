@@ -1,0 +1,302 @@
+"""OpenAI request bodies → validated parameters (pure; no tokenizer, no I/O).
+
+Every problem raises ``InvalidRequestError`` naming the offending ``param``, so
+the client gets an OpenAI-shaped 400 instead of a framework 422/500. Unknown
+fields are ignored, as OpenAI-compatible servers commonly do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel_plugin.engine_api import SamplingParams
+from mlxcel_plugin.errors import InvalidRequestError
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class CommonParams:
+    model: str | None
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    common: CommonParams
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    common: CommonParams
+    prompt: str | list[int]
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return body
+
+
+# -- typed field readers ------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"'{param}': {message}", param=param)
+
+
+def _int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _bad(name, f"expected an integer, got {json.dumps(value)}")
+    if minimum is not None and value < minimum:
+        raise _bad(name, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise _bad(name, f"expected a number, got {json.dumps(value)}")
+    if not low <= value <= high:
+        raise _bad(name, f"must be between {low} and {high}, got {value}")
+    return float(value)
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(name, f"expected a boolean, got {json.dumps(value)}")
+    return value
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(name, f"expected a string, got {json.dumps(value)}")
+    return value
+
+
+# -- shared parameters --------------------------------------------------------
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    defaults = SamplingParams()
+    top_k = _int(body, "top_k", minimum=-1)
+    values = {
+        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "top_p": _number(body, "top_p", 0.0, 1.0),
+        "top_k": 0 if top_k == -1 else top_k,  # -1 means disabled (vLLM)
+        "min_p": _number(body, "min_p", 0.0, 1.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+        "seed": _int(body, "seed"),
+    }
+    if values["top_p"] == 0.0:
+        raise _bad("top_p", "must be greater than 0")
+    if values["repetition_penalty"] == 0.0:
+        raise _bad("repetition_penalty", "must be greater than 0")
+    # Unset fields keep the engine defaults (greedy), so parity runs are deterministic.
+    chosen = {k: getattr(defaults, k) if v is None else v for k, v in values.items()}
+    return SamplingParams(**chosen)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _bad("stop", "expected a string or a list of strings")
+    return tuple(s for s in value if s)
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    newer = _int(body, "max_completion_tokens", minimum=1)
+    older = _int(body, "max_tokens", minimum=1)
+    return newer if newer is not None else older
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _bad("stream_options", "expected an object")
+    return _bool(options, "include_usage")
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    n = _int(body, "n", minimum=1)
+    if n is not None and n > 1:
+        raise _bad("n", "only n=1 is supported")
+    best_of = _int(body, "best_of", minimum=1)
+    if best_of is not None and best_of > 1:
+        raise _bad("best_of", "only best_of=1 is supported")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise _bad("logprobs", "logprobs are not supported")
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "echo is not supported")
+    if body.get("suffix") is not None:
+        raise _bad("suffix", "suffix is not supported")
+    _check_response_format(body.get("response_format"))
+
+
+def _check_response_format(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _bad("response_format", "expected an object with a 'type'")
+    if value["type"] != "text":
+        raise _bad("response_format", f"type {value['type']!r} is not supported; use 'text'")
+
+
+def _common(body: dict[str, Any]) -> CommonParams:
+    _reject_unsupported(body)
+    stream = _bool(body, "stream")
+    return CommonParams(
+        model=_optional_str(body, "model"),
+        max_tokens=_max_tokens(body),
+        sampling=_sampling(body),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=stream and _include_usage(body),
+    )
+
+
+# -- chat ---------------------------------------------------------------------
+
+
+def _text_content(content: Any, param: str) -> str | None:
+    """Flatten string or text-part content; other part types cannot be served."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(param, "expected a string or a list of content parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _bad(param, "only text content parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise _bad(param, "a text part needs a string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_call_for_template(call: Any, param: str) -> dict[str, Any]:
+    # Chat templates expect arguments as a mapping; OpenAI sends JSON text.
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise _bad(param, "each tool call needs a 'function' object")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # leave non-JSON arguments as text; the template prints them as given
+    return {**call, "function": function}
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise _bad(param, "expected an object")
+    role = message.get("role")
+    if role not in ROLES:
+        raise _bad(f"{param}.role", f"expected one of {sorted(ROLES)}, got {json.dumps(role)}")
+    out = dict(message)
+    # Most chat templates only know "system".
+    out["role"] = "system" if role == "developer" else role
+    out["content"] = _text_content(message.get("content"), f"{param}.content")
+    if out["content"] is None and not message.get("tool_calls"):
+        raise _bad(f"{param}.content", "a message needs content")
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise _bad(f"{param}.tool_calls", "expected a list")
+        out["tool_calls"] = [_tool_call_for_template(c, f"{param}.tool_calls") for c in calls]
+    return out
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+    ):
+        raise _bad("tools", "expected a list of {'type': 'function', 'function': {...}}")
+    if choice not in (None, "auto"):
+        raise _bad("tool_choice", "only 'auto' and 'none' are supported")
+    return tools or None
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatParams:
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("messages", "this field is required")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "expected a non-empty list of messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "expected an object")
+    return ChatParams(
+        common=_common(body),
+        messages=[_message(m, i) for i, m in enumerate(messages)],
+        tools=_tools(body),
+        template_kwargs=kwargs,
+    )
+
+
+# -- completions --------------------------------------------------------------
+
+
+def _prompt(value: Any) -> str | list[int]:
+    # The SDK may wrap a single prompt in a list; batches are not supported.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise _bad("prompt", "the prompt is empty")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
+        return list(value)
+    if isinstance(value, list) and not value:
+        raise _bad("prompt", "the prompt is empty")
+    raise _bad("prompt", "expected a string or a list of token ids (one prompt per request)")
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionParams:
+    if body.get("prompt") is None:
+        raise _bad("prompt", "this field is required")
+    return CompletionParams(common=_common(body), prompt=_prompt(body["prompt"]))

@@ -1,0 +1,40 @@
+"""Fixtures for the front: SmolLM2's tokenizer (from the tiny checkpoint) and a fake engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from mlxcel_plugin.text import TextTokenizer
+from tests.router_plugin.fake_engine import FakeEngine, Script
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(request: pytest.FixtureRequest) -> str:
+    try:
+        return str(request.getfixturevalue("tiny_model_path"))
+    except pytest.FixtureLookupError:
+        from engines.model_store import ensure_tiny_model  # builds once, then cached
+
+        return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def text_tokenizer(tokenizer_dir: str) -> TextTokenizer:
+    return TextTokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., FakeEngine]]:
+    engines: list[FakeEngine] = []
+
+    def make(script: Script, **kwargs) -> FakeEngine:
+        engine = FakeEngine(script, **kwargs)
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import pytest
+
+from mlxcel_plugin.engine_api import SamplingParams
+from mlxcel_plugin.errors import InvalidRequestError
+from router_plugin.openai_schema import (
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def bad(param: str, body: dict, parse=parse_chat_request) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse(body)
+    assert info.value.param == param
+    assert info.value.to_openai()["error"]["type"] == "invalid_request_error"
+
+
+def test_minimal_chat_defaults() -> None:
+    params = parse_chat_request({"messages": USER})
+    assert params.common.model is None and params.common.max_tokens is None
+    assert params.common.sampling == SamplingParams()
+    assert params.common.stop == () and not params.common.stream
+    assert params.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_params_pass_through() -> None:
+    body = {
+        "messages": USER, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "seed": 42,
+    }  # fmt: skip
+    assert parse_chat_request(body).common.sampling == SamplingParams(
+        0.7, 0.9, 40, 0.05, 1.1, 0.5, -0.5, 42
+    )
+
+
+def test_top_k_minus_one_means_disabled() -> None:
+    assert parse_chat_request({"messages": USER, "top_k": -1}).common.sampling.top_k == 0
+
+
+def test_max_completion_tokens_wins() -> None:
+    body = {"messages": USER, "max_tokens": 5, "max_completion_tokens": 7}
+    assert parse_chat_request(body).common.max_tokens == 7
+
+
+def test_stop_string_or_list() -> None:
+    assert parse_chat_request({"messages": USER, "stop": "x"}).common.stop == ("x",)
+    assert parse_chat_request({"messages": USER, "stop": ["a", "", "b"]}).common.stop == (
+        "a",
+        "b",
+    )
+
+
+def test_include_usage_only_when_streaming() -> None:
+    opts = {"include_usage": True}
+    assert parse_chat_request(
+        {"messages": USER, "stream": True, "stream_options": opts}
+    ).common.include_usage
+    assert not parse_chat_request({"messages": USER, "stream_options": opts}).common.include_usage
+
+
+def test_text_parts_flattened_and_developer_is_system() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    params = parse_chat_request({"messages": [{"role": "developer", "content": parts}]})
+    assert params.messages == [{"role": "system", "content": "ab"}]
+
+
+def test_assistant_tool_call_arguments_become_mappings() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    params = parse_chat_request({"messages": messages})
+    assert params.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+
+
+def test_tool_choice_none_drops_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert parse_chat_request({"messages": USER, "tools": tools}).tools == tools
+    assert (
+        parse_chat_request({"messages": USER, "tools": tools, "tool_choice": "none"}).tools is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("param", "extra"),
+    [
+        ("messages", {"messages": None}),
+        ("messages", {"messages": []}),
+        ("messages", {"messages": "hi"}),
+        ("messages[0]", {"messages": ["hi"]}),
+        ("messages[0].role", {"messages": [{"role": "wizard", "content": "x"}]}),
+        ("messages[0].content", {"messages": [{"role": "user"}]}),
+        ("messages[0].content", {"messages": [{"role": "user", "content": 5}]}),
+        ("messages[0].content",
+         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": -3}),
+        ("max_tokens", {"max_tokens": 1.5}),
+        ("max_tokens", {"max_tokens": "5"}),
+        ("max_tokens", {"max_tokens": True}),
+        ("max_completion_tokens", {"max_completion_tokens": 0}),
+        ("temperature", {"temperature": "hot"}),
+        ("temperature", {"temperature": 3}),
+        ("top_p", {"top_p": 0}),
+        ("top_k", {"top_k": 1.5}),
+        ("seed", {"seed": "x"}),
+        ("stop", {"stop": 5}),
+        ("stop", {"stop": ["a", 1]}),
+        ("stream", {"stream": "yes"}),
+        ("stream_options", {"stream": True, "stream_options": 1}),
+        ("n", {"n": 2}),
+        ("n", {"n": 0}),
+        ("logprobs", {"logprobs": True}),
+        ("response_format", {"response_format": {"type": "json_object"}}),
+        ("response_format", {"response_format": {"type": "json_schema", "json_schema": {}}}),
+        ("response_format", {"response_format": "json"}),
+        ("model", {"model": 3}),
+        ("tools", {"tools": [{"type": "function"}]}),
+        ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                         "tool_choice": "required"}),
+        ("chat_template_kwargs", {"chat_template_kwargs": [1]}),
+    ],
+)  # fmt: skip
+def test_bad_chat_fields(param: str, extra: dict) -> None:
+    bad(param, {"messages": USER, **extra})
+
+
+def test_response_format_text_is_fine() -> None:
+    parse_chat_request({"messages": USER, "response_format": {"type": "text"}})
+
+
+def test_completion_prompts() -> None:
+    assert parse_completion_request({"prompt": "abc"}).prompt == "abc"
+    assert parse_completion_request({"prompt": ["abc"]}).prompt == "abc"
+    assert parse_completion_request({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert parse_completion_request({"prompt": [[1, 2]]}).prompt == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "prompt", [None, "", [], ["a", "b"], [1, "a"], [-1], 5, {"text": "x"}, [True]]
+)
+def test_bad_completion_prompts(prompt) -> None:
+    bad("prompt", {"prompt": prompt}, parse_completion_request)
+
+
+def test_completion_rejects_echo_suffix_best_of() -> None:
+    bad("echo", {"prompt": "a", "echo": True}, parse_completion_request)
+    bad("suffix", {"prompt": "a", "suffix": "z"}, parse_completion_request)
+    bad("best_of", {"prompt": "a", "best_of": 3}, parse_completion_request)
+    bad("logprobs", {"prompt": "a", "logprobs": 2}, parse_completion_request)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'"x"', b"\xff\xfe", b"null"])
+def test_bad_json_bodies(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError):
+        parse_json_body(raw)
