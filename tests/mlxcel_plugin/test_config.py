@@ -44,7 +44,7 @@ def test_engine_section_and_no_warmup(tmp_path):
 
 
 def test_other_sections_are_kept_raw(tmp_path):
-    toml = write_toml(tmp_path, "[transfer]\nstrategy = \"streamed\"\n")
+    toml = write_toml(tmp_path, '[transfer]\nstrategy = "streamed"\n')
     config = build_config({"distributed_config": toml}, env={})
     assert config.section("transfer") == {"strategy": "streamed"}
     assert config.section("missing") == {}
@@ -56,7 +56,10 @@ def test_other_sections_are_kept_raw(tmp_path):
         ({"role": "oracle"}, "--node-role must be one of"),
         ({"port": 70000}, "--port must be 1..65535"),
         ({"role": "prefill"}, "needs --serving-bind"),
-        ({"role": "router", "prefill_peers": "127.0.0.1:1"}, "needs --prefill-peers and --decode-peers"),
+        (
+            {"role": "router", "prefill_peers": "127.0.0.1:1"},
+            "needs --prefill-peers and --decode-peers",
+        ),
         ({"serving_bind": "nohost"}, "is not host:port"),
         ({"model": "/definitely/not/here"}, "not a checkpoint directory"),
     ],

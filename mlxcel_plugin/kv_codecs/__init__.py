@@ -1,0 +1,38 @@
+"""KV codecs: compression and quantization of K/V chunks (see ``base`` for the contract)."""
+
+from mlxcel_plugin.kv_codecs.base import (
+    TENSOR_DTYPES,
+    WIRE_DTYPES,
+    Buffer,
+    CodecError,
+    CodecProfile,
+    CorruptChunk,
+    KVCodec,
+    UnknownCodec,
+    storage_dtype,
+)
+from mlxcel_plugin.kv_codecs.chain import ChainCodec
+from mlxcel_plugin.kv_codecs.lossless import IdentityCodec, Lz4Codec, ShuffleCodec
+from mlxcel_plugin.kv_codecs.quant import GroupQuantCodec, from_float32, to_float32
+from mlxcel_plugin.kv_codecs.registry import builtin_codecs, resolve_codec
+
+__all__ = [
+    "TENSOR_DTYPES",
+    "WIRE_DTYPES",
+    "Buffer",
+    "ChainCodec",
+    "CodecError",
+    "CodecProfile",
+    "CorruptChunk",
+    "GroupQuantCodec",
+    "IdentityCodec",
+    "KVCodec",
+    "Lz4Codec",
+    "ShuffleCodec",
+    "UnknownCodec",
+    "builtin_codecs",
+    "from_float32",
+    "resolve_codec",
+    "storage_dtype",
+    "to_float32",
+]

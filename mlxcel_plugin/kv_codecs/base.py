@@ -1,0 +1,118 @@
+"""What a KV codec is: the interface, wire dtypes, nominal profile, errors.
+
+A codec turns one chunk of a K or V tensor (a C-contiguous ``[rows, head_dim]``
+array; bfloat16 as a ``uint16`` view) into bytes plus a small msgpack-able
+``meta`` dict, and back. Chunks are independent: a receiver decodes them in any
+order. ``decode`` must never allocate more than the declared shape needs, and
+must refuse bad input with ``CorruptChunk`` (never another exception type).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from mlxcel_plugin.errors import HandoffError
+
+Buffer = bytes | bytearray | memoryview
+
+# Logical dtype name -> storage dtype on the wire (little-endian; bf16 is its raw bits).
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    # Only for the inner stages of a chained codec (bytes in, bytes out).
+    "uint8": np.dtype("u1"),
+}
+TENSOR_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class CodecError(HandoffError):
+    """A codec could not encode or decode a chunk."""
+
+    code = "handoff_codec_error"
+
+
+class UnknownCodec(CodecError):
+    """The handoff names a codec this node has not registered."""
+
+    code = "handoff_unknown_codec"
+
+
+class CorruptChunk(CodecError):
+    """A chunk body does not decode to the declared shape."""
+
+    code = "handoff_corrupt_chunk"
+
+
+@dataclass(frozen=True)
+class CodecProfile:
+    """Nominal figures the AdaptiveSelector plans with.
+
+    Measured on synthetic fp16 KV by ``loadtests/bench_kv_codecs.py``; they only
+    need to rank codecs, not predict exact times.
+    """
+
+    ratio: float = 1.0  # raw bytes / encoded bytes
+    encode_bytes_per_s: float = math.inf
+    decode_bytes_per_s: float = math.inf
+    # Bound on |x - decoded| relative to the group's max |x| (0 for lossless).
+    relative_error: float = 0.0
+
+
+@runtime_checkable
+class KVCodec(Protocol):
+    name: str
+    lossless: bool
+    profile: CodecProfile
+
+    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
+        """Encode a C-contiguous chunk whose logical dtype is ``dtype``."""
+        ...
+
+    def decode(
+        self, data: Buffer, meta: Mapping[str, Any], shape: tuple[int, ...], dtype: str
+    ) -> np.ndarray:
+        """Return an array of ``shape`` in the storage dtype of ``dtype``."""
+        ...
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    if dtype not in WIRE_DTYPES:
+        raise CodecError(f"unsupported dtype {dtype!r}; known: {', '.join(WIRE_DTYPES)}")
+    return WIRE_DTYPES[dtype]
+
+
+def expected_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * storage_dtype(dtype).itemsize
+
+
+def raw_view(array: np.ndarray) -> memoryview:
+    """The array's bytes without a copy (one copy only when it is not contiguous)."""
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
+def frombuffer_checked(data: Buffer, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """View ``data`` as ``shape``/``dtype``, refusing a body of the wrong length."""
+    want = expected_nbytes(shape, dtype)
+    if len(data) != want:
+        raise CorruptChunk(f"chunk body is {len(data)} bytes, expected {want}")
+    return np.frombuffer(data, dtype=storage_dtype(dtype)).reshape(shape)
+
+
+def meta_int(meta: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    value = meta.get(key) if isinstance(meta, Mapping) else None
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise CorruptChunk(f"codec meta {key!r} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def meta_bool(meta: Mapping[str, Any], key: str) -> bool:
+    value = meta.get(key) if isinstance(meta, Mapping) else None
+    if not isinstance(value, bool):
+        raise CorruptChunk(f"codec meta {key!r} must be a bool, got {value!r}")
+    return value

@@ -1,0 +1,80 @@
+"""KV handoff serialization (sans-I/O): CacheState ⇄ KVMessages.
+
+Sender: ``KVWriter`` (or ``SerializableCacheState.to_messages``). Receiver:
+``KVAssembler``. Transfer strategies (``mlxcel_plugin.transfer``) decide when
+and on which lane each message goes.
+"""
+
+from mlxcel_plugin.kv_codecs import CodecError, CorruptChunk, UnknownCodec
+from mlxcel_plugin.kv_serde.assembler import AssemblerLimits, KVAssembler, assemble_messages
+from mlxcel_plugin.kv_serde.errors import (
+    ChecksumMismatch,
+    FingerprintMismatch,
+    LayerCountMismatch,
+    MalformedHandoff,
+    OversizeDeclared,
+    RequestMismatch,
+    StaleEpoch,
+    TruncatedLayer,
+    UnexpectedMessage,
+    UnsupportedCacheKind,
+    UnsupportedHandoffVersion,
+)
+from mlxcel_plugin.kv_serde.header import (
+    SERDE_VERSION,
+    SUPPORTED_CACHE_KINDS,
+    HandoffHeader,
+    ModelFingerprint,
+    SerializableSamplingState,
+)
+from mlxcel_plugin.kv_serde.messages import (
+    AckHeader,
+    ChunkHeader,
+    EndHeader,
+    KVMessage,
+    LayerDescriptor,
+    make_ack,
+)
+from mlxcel_plugin.kv_serde.state import SerializableCacheState
+from mlxcel_plugin.kv_serde.writer import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_BODY_BYTES,
+    RECORD_BYTES,
+    KVWriter,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MAX_BODY_BYTES",
+    "RECORD_BYTES",
+    "SERDE_VERSION",
+    "SUPPORTED_CACHE_KINDS",
+    "AckHeader",
+    "AssemblerLimits",
+    "ChecksumMismatch",
+    "ChunkHeader",
+    "CodecError",
+    "CorruptChunk",
+    "EndHeader",
+    "FingerprintMismatch",
+    "HandoffHeader",
+    "KVAssembler",
+    "KVMessage",
+    "KVWriter",
+    "LayerCountMismatch",
+    "LayerDescriptor",
+    "MalformedHandoff",
+    "ModelFingerprint",
+    "OversizeDeclared",
+    "RequestMismatch",
+    "SerializableCacheState",
+    "SerializableSamplingState",
+    "StaleEpoch",
+    "TruncatedLayer",
+    "UnexpectedMessage",
+    "UnknownCodec",
+    "UnsupportedCacheKind",
+    "UnsupportedHandoffVersion",
+    "assemble_messages",
+    "make_ack",
+]

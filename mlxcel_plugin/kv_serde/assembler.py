@@ -1,0 +1,351 @@
+"""Receiver side: KVMessages in (chunks in any order), a CacheState out.
+
+Every check that bounds memory runs before the allocation it guards: the
+begin header is refused unless the whole cache it implies fits ``max_bytes``;
+a layer's buffers are allocated on its first chunk, after its descriptor is
+checked against the begin header.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlxcel_plugin.engine_api import CacheLayer, CacheState
+from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.kv_codecs import CorruptChunk, KVCodec, resolve_codec, storage_dtype
+from mlxcel_plugin.kv_serde.errors import (
+    ChecksumMismatch,
+    LayerCountMismatch,
+    MalformedHandoff,
+    OversizeDeclared,
+    RequestMismatch,
+    StaleEpoch,
+    TruncatedLayer,
+    UnexpectedMessage,
+)
+from mlxcel_plugin.kv_serde.header import HandoffHeader, ModelFingerprint
+from mlxcel_plugin.kv_serde.messages import (
+    TENSORS,
+    ChunkHeader,
+    EndHeader,
+    KVMessage,
+    LayerDescriptor,
+)
+from mlxcel_plugin.kv_serde.state import SerializableCacheState
+from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class AssemblerLimits:
+    max_bytes: int = 8 * GIB  # decoded K/V bytes one handoff may allocate
+    max_prompt_tokens: int = 1 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # encoded body, within one record
+    # Decoded bytes of one chunk: bounds a codec's output (int4 expands ≈3.5×).
+    max_chunk_raw_bytes: int = 32 << 20
+
+
+@dataclass
+class _Layer:
+    descriptor: LayerDescriptor
+    tensors: dict[str, np.ndarray]  # "k"/"v" -> [1, kv_heads, tokens, head_dim]
+    filled: dict[str, np.ndarray]  # "k"/"v" -> bool per row
+    rows_left: int
+
+
+class KVAssembler:
+    """One handoff's receiving state machine: ``feed`` each message; the last returns the cache.
+
+    States: waiting for begin → receiving → done (or failed: the first refusal
+    is final). A duplicate begin identical to the first is accepted — the
+    LayerParallel strategy sends one per lane so each lane's chunks follow a
+    begin on that lane. ``end`` may arrive before chunks from other lanes.
+    """
+
+    def __init__(
+        self,
+        local: ModelFingerprint,
+        codecs: Mapping[str, KVCodec],
+        limits: AssemblerLimits | None = None,
+        *,
+        min_epoch: int = 0,
+        expected_request_id: str | None = None,
+    ):
+        self.local = local
+        self.codecs = codecs
+        self.limits = limits or AssemblerLimits()
+        self.min_epoch = min_epoch
+        self.expected_request_id = expected_request_id
+        self.header: HandoffHeader | None = None
+        self.allocated_bytes = 0
+        self.received_chunks = 0
+        self.received_bytes = 0
+        self._codec: KVCodec | None = None
+        self._layers: dict[int, _Layer] = {}
+        self._end: EndHeader | None = None
+        self._state = "waiting"
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def feed(self, message: KVMessage) -> SerializableCacheState | None:
+        """Apply one message; returns the assembled handoff once it is complete and verified."""
+        if self._state == "failed":
+            raise UnexpectedMessage("this handoff already failed")
+        try:
+            return self._dispatch(message)
+        except HandoffError:
+            self._fail()
+            raise
+
+    def progress(self) -> dict[str, Any]:
+        """What has arrived and what is missing (for timeouts and logs)."""
+        return {
+            "state": self._state,
+            "handoff_id": self.header.handoff_id if self.header else None,
+            "received_chunks": self.received_chunks,
+            "expected_chunks": self._end.chunks if self._end else None,
+            "received_bytes": self.received_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "layers_started": len(self._layers),
+        }
+
+    def expire(self) -> None:
+        """Give up (transfer timeout): raise TruncatedLayer naming what is missing, free buffers."""
+        missing = [
+            index
+            for index in range(self.local.num_layers)
+            if index not in self._layers or self._layers[index].rows_left
+        ]
+        progress = self.progress()
+        self._fail()
+        raise TruncatedLayer(f"handoff timed out; incomplete layers {missing[:16]}; {progress}")
+
+    def _dispatch(self, message: KVMessage) -> SerializableCacheState | None:
+        if self._state == "done":
+            if message.kind == "begin" and self._same_begin(message):
+                return None
+            raise UnexpectedMessage(f"{message.kind!r} after the handoff completed")
+        if message.kind == "begin":
+            self._on_begin(message)
+            return None
+        if self._state == "waiting":
+            raise UnexpectedMessage(f"{message.kind!r} before begin")
+        if message.kind == "chunk":
+            self._on_chunk(message.header, message.body)
+        elif message.kind == "end":
+            self._on_end(message.header)
+        else:
+            raise UnexpectedMessage(f"unexpected message kind {message.kind!r:.40}")
+        return self._maybe_complete()
+
+    def _fail(self) -> None:
+        # Drop the buffers now: a refused handoff must not pin memory until GC.
+        self._state = "failed"
+        self._layers.clear()
+        self.allocated_bytes = 0
+
+    # -- begin -------------------------------------------------------------
+
+    def _on_begin(self, message: KVMessage) -> None:
+        if self._state == "receiving":
+            if not self._same_begin(message):
+                raise UnexpectedMessage("a second, different begin for this handoff")
+            return
+        header = HandoffHeader.from_message(message, self.limits.max_prompt_tokens)
+        self._check_identity(header)
+        header.fingerprint.check_supported()
+        header.fingerprint.check_matches(self.local)
+        self._codec = resolve_codec(header.codec, self.codecs)
+        self._check_budget(header)
+        self.header = header
+        self._state = "receiving"
+
+    def _same_begin(self, message: KVMessage) -> bool:
+        try:
+            return HandoffHeader.from_message(message, self.limits.max_prompt_tokens) == self.header
+        except HandoffError:
+            return False
+
+    def _check_identity(self, header: HandoffHeader) -> None:
+        wanted = self.expected_request_id
+        if wanted is not None and header.request_id != wanted:
+            raise RequestMismatch(f"handoff for {header.request_id!r}, expected {wanted!r}")
+        if header.epoch < self.min_epoch:
+            raise StaleEpoch(f"epoch {header.epoch} is older than {self.min_epoch}")
+
+    def _check_budget(self, header: HandoffHeader) -> None:
+        fp = header.fingerprint
+        # No layer holds more tokens than the prompt: this bounds every later allocation.
+        bound = fp.num_layers * 2 * fp.tensor_bytes(header.prompt_length)
+        if bound > self.limits.max_bytes:
+            raise OversizeDeclared(f"cache of up to {bound} bytes > budget {self.limits.max_bytes}")
+
+    # -- chunks ------------------------------------------------------------
+
+    def _on_chunk(self, raw: Any, body: Any) -> None:
+        chunk = ChunkHeader.from_dict(raw)
+        self._check_attempt(chunk.handoff_id, chunk.epoch)
+        layer = self._layer_for(chunk)
+        fp = self.local
+        raw_bytes = chunk.rows * fp.row_bytes
+        if raw_bytes > self.limits.max_chunk_raw_bytes:
+            raise OversizeDeclared(f"chunk of {raw_bytes} decoded bytes is too large")
+        if chunk.nbytes > self.limits.max_body_bytes or len(body) > self.limits.max_body_bytes:
+            raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds the record bound")
+        if len(body) != chunk.nbytes:
+            raise TruncatedLayer(
+                f"layer {chunk.layer} {chunk.tensor} chunk body {len(body)} of {chunk.nbytes} bytes"
+            )
+        filled = layer.filled[chunk.tensor]
+        if chunk.row + chunk.rows > filled.size:
+            raise MalformedHandoff(f"chunk rows {chunk.row}+{chunk.rows} beyond {filled.size}")
+        if filled[chunk.row : chunk.row + chunk.rows].any():
+            raise UnexpectedMessage(f"layer {chunk.layer} {chunk.tensor} rows overlap a chunk")
+        self._decode_into(chunk, body, layer.tensors[chunk.tensor])
+        filled[chunk.row : chunk.row + chunk.rows] = True
+        layer.rows_left -= chunk.rows
+        self.received_chunks += 1
+        self.received_bytes += len(body)
+        if self._end is not None and self.received_chunks > self._end.chunks:
+            raise UnexpectedMessage(f"more chunks than the {self._end.chunks} declared")
+
+    def _begun(self) -> HandoffHeader:
+        if self.header is None:  # only reachable through a bug: chunks need a begin first
+            raise UnexpectedMessage("no begin yet")
+        return self.header
+
+    def _check_attempt(self, handoff_id: str, epoch: int) -> None:
+        header = self._begun()
+        if handoff_id != header.handoff_id or epoch != header.epoch:
+            raise StaleEpoch(
+                f"message for handoff {handoff_id!r:.80} epoch {epoch}, "
+                f"receiving {header.handoff_id!r} epoch {header.epoch}"
+            )
+
+    def _layer_for(self, chunk: ChunkHeader) -> _Layer:
+        fp = self.local
+        if chunk.layer >= fp.num_layers:
+            raise LayerCountMismatch(f"chunk for layer {chunk.layer} of {fp.num_layers}")
+        existing = self._layers.get(chunk.layer)
+        if existing is not None:
+            if existing.descriptor != chunk.descriptor:
+                raise UnexpectedMessage(f"layer {chunk.layer} descriptor changed between chunks")
+            return existing
+        descriptor = chunk.descriptor
+        prompt_length = self._begun().prompt_length
+        if not descriptor.tokens <= descriptor.offset <= prompt_length:
+            raise MalformedHandoff(
+                f"layer {chunk.layer}: tokens {descriptor.tokens}, offset {descriptor.offset}, "
+                f"prompt_length {prompt_length} are inconsistent"
+            )
+        return self._allocate(chunk.layer, descriptor)
+
+    def _allocate(self, index: int, descriptor: LayerDescriptor) -> _Layer:
+        fp = self.local
+        size = 2 * fp.tensor_bytes(descriptor.tokens)
+        if self.allocated_bytes + size > self.limits.max_bytes:
+            raise OversizeDeclared(f"layer {index} would exceed the byte budget")
+        shape = (1, fp.kv_heads, descriptor.tokens, fp.head_dim)
+        rows = fp.kv_heads * descriptor.tokens
+        layer = _Layer(
+            descriptor=descriptor,
+            tensors={t: np.empty(shape, dtype=storage_dtype(fp.dtype)) for t in TENSORS},
+            filled={t: np.zeros(rows, dtype=bool) for t in TENSORS},
+            rows_left=2 * rows,
+        )
+        self._layers[index] = layer
+        self.allocated_bytes += size
+        return layer
+
+    def _decode_into(self, chunk: ChunkHeader, body: Any, tensor: np.ndarray) -> None:
+        fp = self.local
+        codec = self._codec
+        if codec is None:  # only reachable through a bug: set together with the header
+            raise UnexpectedMessage("no codec yet")
+        shape = (chunk.rows, fp.head_dim)
+        try:
+            decoded = codec.decode(body, chunk.codec_meta, shape, fp.dtype)
+        except HandoffError:
+            raise
+        except Exception as exc:  # a plugin codec's own failure fails this handoff only
+            raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
+        if not isinstance(decoded, np.ndarray) or decoded.shape != shape:
+            raise CorruptChunk(f"codec {codec.name} returned the wrong shape")
+        if decoded.dtype != tensor.dtype:
+            raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {tensor.dtype}")
+        # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
+        tensor.reshape(-1, fp.head_dim)[chunk.row : chunk.row + chunk.rows] = decoded
+
+    # -- end ---------------------------------------------------------------
+
+    def _on_end(self, raw: Any) -> None:
+        if self._end is not None:
+            raise UnexpectedMessage("a second end for this handoff")
+        end = EndHeader.from_dict(raw)
+        self._check_attempt(end.handoff_id, end.epoch)
+        if end.num_layers != self.local.num_layers:
+            raise LayerCountMismatch(
+                f"end lists {end.num_layers} layers, this model has {self.local.num_layers}"
+            )
+        if self.received_chunks > end.chunks:
+            raise UnexpectedMessage(f"{self.received_chunks} chunks, end declares {end.chunks}")
+        self._end = end
+
+    def _maybe_complete(self) -> SerializableCacheState | None:
+        end = self._end
+        if end is None or self.received_chunks < end.chunks:
+            return None
+        for index in range(self.local.num_layers):
+            layer = self._layers.get(index)
+            if layer is None or layer.rows_left:
+                raise TruncatedLayer(f"layer {index} is incomplete after {end.chunks} chunks")
+        self._verify_checksums(end)
+        self._state = "done"
+        return SerializableCacheState(self._begun(), self._cache_state())
+
+    def _verify_checksums(self, end: EndHeader) -> None:
+        for index, expected in enumerate(end.checksums):
+            layer = self._layers[index]
+            for tensor, want in zip(TENSORS, expected, strict=True):
+                got = zlib.crc32(memoryview(layer.tensors[tensor]).cast("B"))
+                if got != want:
+                    raise ChecksumMismatch(f"layer {index} {tensor}: crc32 {got:#x} != {want:#x}")
+
+    def _cache_state(self) -> CacheState:
+        fp = self.local
+        layers = [
+            CacheLayer(
+                kind=fp.cache_classes[index],
+                keys=layer.tensors["k"],
+                values=layer.tensors["v"],
+                dtype=fp.dtype,
+                offset=layer.descriptor.offset,
+                meta=dict(layer.descriptor.meta),
+            )
+            for index, layer in sorted(self._layers.items())
+        ]
+        return CacheState(layers)
+
+
+def assemble_messages(
+    messages: list[KVMessage],
+    local: ModelFingerprint,
+    codecs: Mapping[str, KVCodec],
+    limits: AssemblerLimits | None = None,
+) -> SerializableCacheState:
+    """Feed a complete message list (in arrival order) and return the handoff."""
+    assembler = KVAssembler(local, codecs, limits)
+    result = None
+    for message in messages:
+        result = assembler.feed(message) or result
+    if result is None:
+        raise TruncatedLayer(f"handoff incomplete: {assembler.progress()}")
+    return result

@@ -1,0 +1,77 @@
+"""BandwidthEstimator: per-peer EWMA of measured bytes/s from real transfers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class _PeerEstimate:
+    bytes_per_s: float
+    samples: int
+    updated_at: float
+
+
+class BandwidthEstimator:
+    """Fed ``observe(peer, nbytes, seconds)`` after each handoff (or large chunk).
+
+    Small transfers are ignored: latency, not bandwidth, dominates them. An
+    estimate older than ``stale_after_s`` is dropped — links and load change,
+    and a stale number is worse than the selector's prior.
+    """
+
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.3,
+        min_sample_bytes: int = 256 * 1024,
+        stale_after_s: float = 600.0,
+        clock: Clock = time.monotonic,
+    ):
+        self.alpha = alpha
+        self.min_sample_bytes = min_sample_bytes
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self._peers: dict[str, _PeerEstimate] = {}
+
+    def observe(self, peer: str, nbytes: int, seconds: float) -> None:
+        if nbytes < self.min_sample_bytes or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        now = self.clock()
+        current = self._fresh(peer, now)
+        if current is None:
+            self._peers[peer] = _PeerEstimate(sample, 1, now)
+            return
+        current.bytes_per_s += self.alpha * (sample - current.bytes_per_s)
+        current.samples += 1
+        current.updated_at = now
+
+    def estimate(self, peer: str) -> float | None:
+        """Bytes/s to ``peer``, or None before any (fresh) measurement."""
+        current = self._fresh(peer, self.clock())
+        return None if current is None else current.bytes_per_s
+
+    def snapshot(self) -> dict[str, dict[str, float | int]]:
+        """Fresh estimates by peer, for stats and logs."""
+        now = self.clock()
+        return {
+            peer: {
+                "bytes_per_s": est.bytes_per_s,
+                "samples": est.samples,
+                "age_s": now - est.updated_at,
+            }
+            for peer, est in self._peers.items()
+            if now - est.updated_at <= self.stale_after_s
+        }
+
+    def _fresh(self, peer: str, now: float) -> _PeerEstimate | None:
+        current = self._peers.get(peer)
+        if current is not None and now - current.updated_at > self.stale_after_s:
+            del self._peers[peer]
+            return None
+        return current

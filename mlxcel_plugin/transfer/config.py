@@ -1,0 +1,58 @@
+"""TransferConfig: the ``[transfer]`` table of ``--distributed-config``.
+
+An explicit ``strategy`` or ``codec`` always wins over the AdaptiveSelector;
+``"auto"`` leaves the choice to it. Names are checked against the plugin
+registry at startup by the caller (``registry.get``), not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mlxcel_plugin.errors import ConfigError
+from mlxcel_plugin.kv_serde import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BODY_BYTES
+
+AUTO = "auto"
+MIN_CHUNK_BYTES = 4096
+MAX_PARALLELISM = 64
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    strategy: str = AUTO  # "auto" or a registered strategy name ("full", "streamed", ...)
+    codec: str = AUTO  # "auto", "none", or a registered codec / chain ("shuffle+lz4")
+    parallelism: int = 1  # links per handoff that LayerParallel may use
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # raw tensor bytes per chunk
+    transfer_timeout_s: float = 30.0  # sender frees its copy on ack or after this
+    # Lossy codecs change the tokens; "auto" only picks them when this is set.
+    allow_lossy: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("strategy", "codec"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"transfer.{name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.parallelism, int) or not 1 <= self.parallelism <= MAX_PARALLELISM:
+            raise ConfigError(f"transfer.parallelism must be 1..{MAX_PARALLELISM}")
+        if not isinstance(self.chunk_bytes, int) or not (
+            MIN_CHUNK_BYTES <= self.chunk_bytes <= DEFAULT_MAX_BODY_BYTES
+        ):
+            raise ConfigError(
+                f"transfer.chunk_bytes must be {MIN_CHUNK_BYTES}..{DEFAULT_MAX_BODY_BYTES} "
+                "(a chunk must fit one link record)"
+            )
+        if not isinstance(self.transfer_timeout_s, int | float) or self.transfer_timeout_s <= 0:
+            raise ConfigError("transfer.transfer_timeout_s must be > 0")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TransferConfig:
+        known = {spec.name for spec in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown transfer keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}

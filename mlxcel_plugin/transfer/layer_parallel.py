@@ -1,0 +1,40 @@
+"""LayerParallelTransfer: chunks round-robin over several links."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlxcel_plugin.engine_api import CacheLayer
+from mlxcel_plugin.kv_serde import HandoffHeader, KVMessage
+from mlxcel_plugin.transfer.base import StrategyOptions, WriterStrategy
+
+
+class LayerParallelTransfer(WriterStrategy):
+    """Streams like StreamedTransfer, spreading chunks over ``options.lanes`` links.
+
+    Every lane gets its own copy of begin first, so on any lane the receiver
+    sees begin before that lane's chunks; the receiver places chunks in any
+    order. end goes on lane 0 and may overtake chunks on other lanes — the
+    assembler waits for the count end declares.
+    """
+
+    name = "layer-parallel"
+
+    def __init__(self, options: StrategyOptions | None = None):
+        super().__init__(options)
+        self._next_lane = 0
+
+    def start(self, header: HandoffHeader) -> list[KVMessage]:
+        begin = self._start_writer(header).begin()
+        return [dataclasses.replace(begin, lane=lane) for lane in range(self.options.lanes)]
+
+    def add_layer(self, index: int, layer: CacheLayer) -> list[KVMessage]:
+        return [self._assign(chunk) for chunk in self._live_writer().layer(index, layer)]
+
+    def finish(self) -> list[KVMessage]:
+        return [self._finish_writer().end()]
+
+    def _assign(self, chunk: KVMessage) -> KVMessage:
+        lane = self._next_lane
+        self._next_lane = (lane + 1) % self.options.lanes
+        return dataclasses.replace(chunk, lane=lane)

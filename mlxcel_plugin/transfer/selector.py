@@ -1,0 +1,130 @@
+"""AdaptiveSelector: strategy + codec from payload size and estimated bandwidth.
+
+Pure and deterministic: the caller passes the bandwidth estimate (from
+BandwidthEstimator) and logs ``TransferChoice.as_dict()``.
+
+Cost model per codec (serial, deliberately pessimistic — the sender encodes
+and the receiver decodes on the same threads that move bytes):
+``payload/encode_rate + payload/ratio/bandwidth + payload/decode_rate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mlxcel_plugin.kv_codecs import KVCodec, UnknownCodec, resolve_codec
+from mlxcel_plugin.transfer.config import AUTO, TransferConfig
+
+FULL = "full"
+STREAMED = "streamed"
+LAYER_PARALLEL = "layer-parallel"
+
+
+@dataclass(frozen=True)
+class SelectorTuning:
+    # Until a peer is measured: ≈ websockets + AES-GCM on loopback (DESIGN §8).
+    prior_bytes_per_s: float = 400e6
+    # At most this much, one message set is as good as streaming.
+    small_payload_bytes: int = 4 << 20
+    # Extra links only pay off when the wire time is at least this long.
+    parallel_min_s: float = 0.05
+    auto_codecs: tuple[str, ...] = ("none", "lz4", "shuffle+lz4")
+
+
+@dataclass(frozen=True)
+class TransferChoice:
+    strategy: str
+    codec: str
+    lanes: int
+    reason: str
+    payload_bytes: int
+    bandwidth_bytes_per_s: float
+    bandwidth_source: str  # "measured" or "prior"
+    estimated_s: dict[str, float] = field(default_factory=dict)  # by candidate codec
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class AdaptiveSelector:
+    def __init__(
+        self,
+        config: TransferConfig,
+        codecs: Mapping[str, KVCodec],
+        tuning: SelectorTuning | None = None,
+    ):
+        self.config = config
+        self.codecs = codecs
+        self.tuning = tuning or SelectorTuning()
+
+    def select(
+        self,
+        payload_bytes: int,
+        bandwidth_bytes_per_s: float | None,
+        *,
+        lanes_available: int = 1,
+        can_stream: bool = True,
+    ) -> TransferChoice:
+        """Choose for one handoff of ``payload_bytes`` raw K/V bytes."""
+        measured = bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s > 0
+        bandwidth = bandwidth_bytes_per_s if measured else self.tuning.prior_bytes_per_s
+        estimates = self._estimates(payload_bytes, bandwidth)
+        codec, codec_reason = self._codec(estimates)
+        wire_s = estimates.get(codec, payload_bytes / bandwidth)
+        lanes = min(self.config.parallelism, max(1, lanes_available))
+        strategy, strategy_reason = self._strategy(payload_bytes, wire_s, lanes, can_stream)
+        return TransferChoice(
+            strategy=strategy,
+            codec=codec,
+            lanes=lanes if strategy == LAYER_PARALLEL else 1,
+            reason=f"{strategy_reason}; {codec_reason}",
+            payload_bytes=payload_bytes,
+            bandwidth_bytes_per_s=bandwidth,
+            bandwidth_source="measured" if measured else "prior",
+            estimated_s=estimates,
+        )
+
+    def _candidates(self) -> Sequence[KVCodec]:
+        found = []
+        for name in self.tuning.auto_codecs:
+            try:
+                codec = resolve_codec(name, self.codecs)
+            except UnknownCodec:
+                continue  # a candidate this node lacks is simply not a candidate
+            if codec.lossless or self.config.allow_lossy:
+                found.append(codec)
+        return found
+
+    def _estimates(self, payload_bytes: int, bandwidth: float) -> dict[str, float]:
+        return {
+            codec.name: (
+                payload_bytes / codec.profile.encode_bytes_per_s
+                + payload_bytes / codec.profile.ratio / bandwidth
+                + payload_bytes / codec.profile.decode_bytes_per_s
+            )
+            for codec in self._candidates()
+        }
+
+    def _codec(self, estimates: Mapping[str, float]) -> tuple[str, str]:
+        if self.config.codec != AUTO:
+            return self.config.codec, "codec configured"
+        if not estimates:
+            return "none", "no auto codec candidates"
+        # min() keeps the first of equal estimates: candidates are listed cheapest first.
+        best = min(estimates, key=estimates.__getitem__)
+        return best, f"codec {best} fastest by estimate"
+
+    def _strategy(
+        self, payload_bytes: int, wire_s: float, lanes: int, can_stream: bool
+    ) -> tuple[str, str]:
+        if self.config.strategy != AUTO:
+            return self.config.strategy, "strategy configured"
+        if payload_bytes <= self.tuning.small_payload_bytes:
+            return FULL, "small payload"
+        if lanes > 1 and wire_s >= self.tuning.parallel_min_s:
+            return LAYER_PARALLEL, f"{wire_s:.3f}s on the wire, {lanes} links"
+        if can_stream:
+            return STREAMED, "overlap transfer with prefill"
+        return FULL, "cache already complete"

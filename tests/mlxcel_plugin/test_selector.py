@@ -1,0 +1,166 @@
+"""TransferConfig, BandwidthEstimator and AdaptiveSelector (injected clock and estimates)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel_plugin.errors import ConfigError
+from mlxcel_plugin.kv_codecs import builtin_codecs
+from mlxcel_plugin.transfer import (
+    AdaptiveSelector,
+    BandwidthEstimator,
+    SelectorTuning,
+    TransferConfig,
+)
+
+MB = 1_000_000
+CODECS = builtin_codecs()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- config ----------------------------------------------------------------
+
+
+def test_config_defaults_leave_the_choice_to_the_selector():
+    config = TransferConfig()
+    assert (config.strategy, config.codec, config.parallelism) == ("auto", "auto", 1)
+    assert config.chunk_bytes == 4 << 20 and not config.allow_lossy
+
+
+def test_config_from_dict_round_trips_and_refuses_unknown_keys():
+    config = TransferConfig.from_dict({"strategy": "streamed", "parallelism": 4})
+    assert TransferConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match="chunk_size"):
+        TransferConfig.from_dict({"chunk_size": 1})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"parallelism": 0},
+        {"chunk_bytes": 100},
+        {"chunk_bytes": 9 << 20},
+        {"transfer_timeout_s": 0},
+        {"codec": ""},
+    ],
+)
+def test_config_refuses_bad_values(bad):
+    with pytest.raises(ConfigError):
+        TransferConfig(**bad)
+
+
+# -- bandwidth -------------------------------------------------------------
+
+
+def test_estimator_starts_unknown_then_follows_an_ewma():
+    estimator = BandwidthEstimator(alpha=0.5, clock=FakeClock())
+    assert estimator.estimate("d1") is None
+    estimator.observe("d1", 100 * MB, 1.0)
+    assert estimator.estimate("d1") == 100 * MB
+    estimator.observe("d1", 300 * MB, 1.0)
+    assert estimator.estimate("d1") == 200 * MB
+    assert estimator.estimate("d2") is None
+
+
+def test_estimator_ignores_latency_bound_samples():
+    estimator = BandwidthEstimator(min_sample_bytes=1 * MB, clock=FakeClock())
+    estimator.observe("d1", 1000, 0.000001)
+    estimator.observe("d1", 10 * MB, 0.0)
+    assert estimator.estimate("d1") is None
+
+
+def test_estimator_forgets_stale_peers():
+    clock = FakeClock()
+    estimator = BandwidthEstimator(stale_after_s=60.0, clock=clock)
+    estimator.observe("d1", 50 * MB, 1.0)
+    clock.now += 30
+    assert estimator.snapshot() == {"d1": {"bytes_per_s": 50 * MB, "samples": 1, "age_s": 30.0}}
+    clock.now += 31
+    assert estimator.estimate("d1") is None and estimator.snapshot() == {}
+    estimator.observe("d1", 10 * MB, 1.0)  # a fresh start, not blended with the stale value
+    assert estimator.estimate("d1") == 10 * MB
+
+
+# -- selector --------------------------------------------------------------
+
+
+def selector(**config) -> AdaptiveSelector:
+    return AdaptiveSelector(TransferConfig(**config), CODECS)
+
+
+def test_small_payload_goes_full_in_one_message_set():
+    choice = selector().select(1 * MB, 400 * MB)
+    assert (choice.strategy, choice.codec, choice.lanes) == ("full", "none", 1)
+
+
+def test_large_payload_streams_to_overlap_prefill():
+    choice = selector().select(200 * MB, 400 * MB)
+    assert choice.strategy == "streamed" and choice.reason.startswith("overlap")
+
+
+def test_large_payload_without_streaming_goes_full():
+    assert selector().select(200 * MB, 400 * MB, can_stream=False).strategy == "full"
+
+
+def test_several_links_and_a_long_wire_time_go_layer_parallel():
+    choice = selector(parallelism=4).select(200 * MB, 400 * MB, lanes_available=3)
+    assert (choice.strategy, choice.lanes) == ("layer-parallel", 3)
+
+
+def test_a_short_wire_time_does_not_use_extra_links():
+    tuning = SelectorTuning(small_payload_bytes=1 * MB, parallel_min_s=0.05)
+    sel = AdaptiveSelector(TransferConfig(parallelism=4), CODECS, tuning)
+    assert sel.select(8 * MB, 400 * MB, lanes_available=4).strategy == "streamed"
+
+
+def test_fast_link_sends_raw_and_slow_link_compresses():
+    fast = selector().select(200 * MB, 2000 * MB)
+    slow = selector().select(200 * MB, 10 * MB)
+    assert fast.codec == "none"
+    assert slow.codec == "shuffle+lz4"
+    assert slow.estimated_s["shuffle+lz4"] < slow.estimated_s["none"]
+
+
+def test_lossy_codecs_only_when_allowed():
+    tuning = SelectorTuning(auto_codecs=("none", "lz4", "int8", "int8+lz4"))
+    strict = AdaptiveSelector(TransferConfig(), CODECS, tuning).select(200 * MB, 10 * MB)
+    lossy = AdaptiveSelector(TransferConfig(allow_lossy=True), CODECS, tuning)
+    assert "int8" not in strict.estimated_s and strict.codec in ("none", "lz4")
+    assert lossy.select(200 * MB, 10 * MB).codec in ("int8", "int8+lz4")
+
+
+def test_explicit_config_overrides_the_estimate():
+    choice = selector(strategy="full", codec="lz4").select(500 * MB, 2000 * MB)
+    assert (choice.strategy, choice.codec) == ("full", "lz4")
+    assert "configured" in choice.reason
+
+
+def test_unknown_bandwidth_uses_the_prior():
+    choice = selector().select(200 * MB, None)
+    assert choice.bandwidth_source == "prior"
+    assert choice.bandwidth_bytes_per_s == SelectorTuning().prior_bytes_per_s
+
+
+def test_choice_is_deterministic_and_loggable():
+    first = selector(parallelism=2).select(123 * MB, 77 * MB, lanes_available=2)
+    again = selector(parallelism=2).select(123 * MB, 77 * MB, lanes_available=2)
+    assert first == again
+    logged = first.as_dict()
+    assert set(logged) == {
+        "strategy",
+        "codec",
+        "lanes",
+        "reason",
+        "payload_bytes",
+        "bandwidth_bytes_per_s",
+        "bandwidth_source",
+        "estimated_s",
+    }
+    assert logged["bandwidth_source"] == "measured"

@@ -1,0 +1,137 @@
+"""Transfer strategies: exact round trips across dtypes, sizes, codecs; release timing; lanes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlxcel_plugin.errors import PluginError
+from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_serde import KVAssembler
+from mlxcel_plugin.plugins import load_plugins
+from mlxcel_plugin.testing.caches import (
+    assert_caches_equal,
+    make_cache,
+    make_fingerprint,
+    make_header,
+)
+from mlxcel_plugin.transfer import (
+    FullTransfer,
+    LayerParallelTransfer,
+    StrategyOptions,
+    StreamedTransfer,
+    make_strategy,
+    plan_transfer,
+)
+
+CODECS = builtin_codecs()
+STRATEGIES = [FullTransfer, StreamedTransfer, LayerParallelTransfer]
+
+
+def options(codec: str = "none", lanes: int = 3, chunk_bytes: int = 16 * 1024):
+    return StrategyOptions(resolve_codec(codec, CODECS), chunk_bytes=chunk_bytes, lanes=lanes)
+
+
+def shuffled_after_begin(messages, seed):
+    """Begin first, then every other message in a random order (worst case for LayerParallel)."""
+    begins = [m for m in messages if m.kind == "begin"]
+    rest = [m for m in messages if m.kind != "begin"]
+    random.Random(seed).shuffle(rest)
+    return [begins[0], *rest]
+
+
+def assemble(messages, fingerprint):
+    assembler = KVAssembler(fingerprint, CODECS)
+    results = [r for r in map(assembler.feed, messages) if r is not None]
+    assert len(results) == 1
+    return results[0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("codec", ["none", "lz4"])
+@pytest.mark.parametrize("tokens", [1, 255, 256, 257, 2000])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_round_trip_is_exact(strategy, codec, tokens, dtype):
+    fingerprint = make_fingerprint(2, 2, 64, dtype, ["KVCache", "RotatingKVCache"])
+    cache = make_cache(fingerprint, tokens, seed=tokens, rotating_max_size=256)
+    header = make_header(fingerprint, tokens, codec=codec)
+    messages = plan_transfer(strategy(options(codec)), header, cache)
+    if strategy is LayerParallelTransfer:
+        messages = shuffled_after_begin(messages, seed=tokens)
+    result = assemble(messages, fingerprint)
+    assert_caches_equal(result.cache, cache)
+    assert result.header == header
+
+
+def test_full_releases_everything_at_finish():
+    fingerprint = make_fingerprint(3, 2, 64, "float16")
+    cache = make_cache(fingerprint, 30)
+    strategy = FullTransfer(options())
+    assert strategy.start(make_header(fingerprint, 30)) == []
+    assert all(strategy.add_layer(i, layer) == [] for i, layer in enumerate(cache.layers))
+    kinds = [m.kind for m in strategy.finish()]
+    assert kinds[0] == "begin" and kinds[-1] == "end" and set(kinds[1:-1]) == {"chunk"}
+
+
+def test_streamed_releases_each_layer_as_it_arrives():
+    fingerprint = make_fingerprint(3, 2, 64, "float16")
+    cache = make_cache(fingerprint, 30)
+    strategy = StreamedTransfer(options())
+    assert [m.kind for m in strategy.start(make_header(fingerprint, 30))] == ["begin"]
+    for index, layer in enumerate(cache.layers):
+        chunks = strategy.add_layer(index, layer)
+        assert chunks and {(m.kind, m.header["layer"], m.lane) for m in chunks} == {
+            ("chunk", index, 0)
+        }
+    assert [m.kind for m in strategy.finish()] == ["end"]
+
+
+def test_layer_parallel_opens_every_lane_and_deals_chunks_round_robin():
+    fingerprint = make_fingerprint(2, 2, 64, "float16")
+    cache = make_cache(fingerprint, 64)
+    strategy = LayerParallelTransfer(options(lanes=3, chunk_bytes=4096))
+    begins = strategy.start(make_header(fingerprint, 64))
+    assert [(m.kind, m.lane) for m in begins] == [("begin", 0), ("begin", 1), ("begin", 2)]
+    chunks = [m for i, layer in enumerate(cache.layers) for m in strategy.add_layer(i, layer)]
+    assert [m.lane for m in chunks] == [i % 3 for i in range(len(chunks))]
+    assert [(m.kind, m.lane) for m in strategy.finish()] == [("end", 0)]
+
+
+def test_chunk_count_follows_chunk_bytes():
+    fingerprint = make_fingerprint(1, 2, 64, "float16")  # 128 bytes per row
+    cache = make_cache(fingerprint, 257)  # 514 rows per tensor
+    messages = plan_transfer(
+        StreamedTransfer(options(chunk_bytes=64 * 128)), make_header(fingerprint, 257), cache
+    )
+    rows = [m.header["rows"] for m in messages if m.kind == "chunk"]
+    assert rows == [64] * 8 + [2] + [64] * 8 + [2]
+
+
+def test_lossy_codec_travels_within_its_error_bound():
+    fingerprint = make_fingerprint(2, 2, 64, "float16")
+    cache = make_cache(fingerprint, 100)
+    header = make_header(fingerprint, 100, codec="int8+lz4")
+    result = assemble(
+        plan_transfer(StreamedTransfer(options("int8+lz4")), header, cache), fingerprint
+    )
+    for got, want in zip(result.cache.layers, cache.layers, strict=True):
+        error = abs(got.keys.astype("f4") - want.keys.astype("f4")).max()
+        assert error <= abs(want.keys.astype("f4")).max() / 127
+
+
+def test_make_strategy_uses_registered_names():
+    registry = load_plugins(env={"MLXCEL_PLUGINS": "core"})
+    strategies = registry.entries["transfer_strategy"]
+    codecs = registry.entries["kv_codec"]
+    strategy = make_strategy("layer-parallel", "shuffle+lz4", strategies, codecs, lanes=2)
+    assert isinstance(strategy, LayerParallelTransfer)
+    assert strategy.options.codec.name == "shuffle+lz4" and strategy.options.lanes == 2
+    with pytest.raises(PluginError, match="full, layer-parallel, streamed"):
+        make_strategy("carrier-pigeon", "none", strategies, codecs)
+
+
+def test_builtin_plugin_registers_strategies_and_codecs():
+    registry = load_plugins(env={"MLXCEL_PLUGINS": "core"})
+    assert registry.names("transfer_strategy") == ["full", "layer-parallel", "streamed"]
+    assert registry.names("kv_codec") == ["int4", "int8", "lz4", "none", "shuffle", "shuffle+lz4"]
