@@ -60,8 +60,10 @@ def mlxcel_register_balancers(register: Register) -> None:
 def mlxcel_register_transfer_strategies(register: Register) -> None:
     """Register KV transfer strategies.
 
-    :param register: ``register(name, factory)``; ``factory() ->
-        TransferStrategy`` (see ``mlxcel_plugin.transfer``).
+    :param register: ``register(name, factory)``; ``factory(options:
+        StrategyOptions) -> TransferStrategy``, one instance per handoff, with
+        ``start(header)``, ``add_layer(i, layer)`` and ``finish()`` each
+        returning KV messages (see ``mlxcel_plugin.transfer.base``).
     :return: nothing.
 
     All implementations are called. Example::
@@ -76,16 +78,17 @@ def mlxcel_register_transfer_strategies(register: Register) -> None:
 def mlxcel_register_kv_codecs(register: Register) -> None:
     """Register KV codecs (compression, quantization).
 
-    :param register: ``register(name, codec)``; ``codec`` implements
-        ``encode(array) -> bytes`` / ``decode(bytes, meta) -> array`` (see
-        ``mlxcel_plugin.kv_codecs``).
+    :param register: ``register(name, codec)``; ``codec`` has ``name``,
+        ``lossless``, ``profile`` and implements ``encode(array, dtype) ->
+        (bytes, meta)`` / ``decode(bytes, meta, shape, dtype) -> array`` (see
+        ``mlxcel_plugin.kv_codecs.base``). Names compose: ``int8+lz4``.
     :return: nothing.
 
     All implementations are called. Example::
 
         @hookimpl
         def mlxcel_register_kv_codecs(register):
-            register("lz4", Lz4Codec())
+            register("zstd", ZstdCodec())
     """
 
 
