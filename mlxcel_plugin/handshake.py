@@ -1,0 +1,516 @@
+"""Link handshake: sans-I/O client and server state machines (PSK + ephemeral X25519).
+
+Each handshake message is one WebSocket binary message, fed to ``receive``;
+``receive`` returns the bytes to send back (or None). The flow, as in TLS 1.3
+``psk_dhe_ke`` / Noise ``NNpsk0``:
+
+1. client HELLO   magic, version, role, flags, random, X25519 key, node id
+2. server HELLO   same fields for the server + mac_s
+3. client FINISHED mac_c
+4. server VERDICT the first encrypted record (accept / at capacity / version / role)
+
+The cluster secret enters only the HKDF input, so a wrong secret shows up as a
+MAC failure and the ephemeral X25519 share gives forward secrecy. See
+docs/protocol.md for byte layouts.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import struct
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from mlxcel_plugin.errors import ConfigError, HandshakeError
+from mlxcel_plugin.records import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RecordError,
+    RecordReceiver,
+    RecordSender,
+)
+from mlxcel_plugin.secret import HOW_TO_MAKE_ONE, ClusterSecret
+
+MAGIC = b"MLXL"
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+KDF_INFO_LABEL = b"mlxcel link v1"
+RANDOM_BYTES = 32
+PUBKEY_BYTES = 32
+MAC_BYTES = 32
+MAX_NODE_ID_BYTES = 128
+MAX_VERDICT_BYTES = 4096
+
+MSG_CLIENT_HELLO = 1
+MSG_SERVER_HELLO = 2
+MSG_FINISHED = 3
+
+FLAG_WANTS_BULK = 0x01
+
+ROLE_CODES = {"prefill": 1, "decode": 2, "router": 3}
+ROLE_NAMES = {code: name for name, code in ROLE_CODES.items()}
+
+LABEL_C2S = b"mlxcel link v1 c2s"
+LABEL_S2C = b"mlxcel link v1 s2c"
+LABEL_BULK_C2S = b"mlxcel bulk v1 c2s"
+LABEL_BULK_S2C = b"mlxcel bulk v1 s2c"
+
+# magic, type, major, minor, role, flags, random, pubkey, node id length
+_HELLO_HEAD = struct.Struct(f">4sBBBBB{RANDOM_BYTES}s{PUBKEY_BYTES}sB")
+_FINISHED = struct.Struct(f">4sB{MAC_BYTES}s")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class MalformedHandshake(HandshakeError):
+    code = "handshake_malformed"
+
+
+class UnexpectedMessage(HandshakeError):
+    code = "handshake_unexpected"
+
+
+class BadMac(HandshakeError):
+    """The peer does not hold the same cluster secret, or the transcript was altered."""
+
+    code = "handshake_bad_mac"
+
+
+class BadKeyShare(HandshakeError):
+    code = "handshake_bad_key_share"
+
+
+class VersionMismatch(HandshakeError):
+    code = "handshake_version_mismatch"
+
+    def __init__(self, local: tuple[int, int], remote: tuple[int, int]):
+        super().__init__(
+            f"protocol version mismatch: local {local[0]}.{local[1]}, peer {remote[0]}.{remote[1]}"
+        )
+        self.local = local
+        self.remote = remote
+
+
+class RoleRefused(HandshakeError):
+    code = "handshake_role_refused"
+
+
+class PeerAtCapacity(HandshakeError):
+    """The server is authenticated but full; dial again after ``retry_after_s``."""
+
+    code = "handshake_at_capacity"
+
+    def __init__(self, message: str, *, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Hello:
+    msg_type: int
+    major: int
+    minor: int
+    role: str
+    flags: int
+    random: bytes
+    pubkey: bytes
+    node_id: str
+
+    def encode(self) -> bytes:
+        node = self.node_id.encode()
+        head = _HELLO_HEAD.pack(MAGIC, self.msg_type, self.major, self.minor,
+                                ROLE_CODES[self.role], self.flags, self.random,
+                                self.pubkey, len(node))
+        return head + node
+
+
+def _check_node_id(node_id: str) -> None:
+    n = len(node_id.encode())
+    if not 1 <= n <= MAX_NODE_ID_BYTES:
+        raise ValueError(f"node id must be 1..{MAX_NODE_ID_BYTES} UTF-8 bytes")
+
+
+def _check_magic_and_type(data: bytes, msg_type: int) -> None:
+    if data[:4] != MAGIC:
+        raise MalformedHandshake("not an mlxcel link (bad magic)")
+    if len(data) < 5 or data[4] != msg_type:
+        raise UnexpectedMessage(f"expected handshake message {msg_type}")
+
+
+def parse_hello(data: bytes, msg_type: int) -> tuple[Hello, bytes]:
+    """Parse a HELLO of ``msg_type``; returns it and the trailing bytes (mac_s or empty)."""
+    _check_magic_and_type(data, msg_type)
+    if len(data) < _HELLO_HEAD.size:
+        raise MalformedHandshake(f"HELLO of {len(data)} bytes is too short")
+    _, typ, major, minor, role, flags, rnd, pub, n = _HELLO_HEAD.unpack_from(data)
+    if role not in ROLE_NAMES:
+        raise MalformedHandshake(f"unknown role code {role}")
+    end = _HELLO_HEAD.size + n
+    if n == 0 or len(data) < end:
+        raise MalformedHandshake("HELLO node id is empty or truncated")
+    try:
+        node_id = bytes(data[_HELLO_HEAD.size:end]).decode()
+    except UnicodeDecodeError:
+        raise MalformedHandshake("HELLO node id is not UTF-8") from None
+    hello = Hello(typ, major, minor, ROLE_NAMES[role], flags, rnd, pub, node_id)
+    return hello, bytes(data[end:])
+
+
+def encode_finished(mac: bytes) -> bytes:
+    return _FINISHED.pack(MAGIC, MSG_FINISHED, mac)
+
+
+def parse_finished(data: bytes) -> bytes:
+    _check_magic_and_type(data, MSG_FINISHED)
+    if len(data) != _FINISHED.size:
+        raise MalformedHandshake(f"FINISHED of {len(data)} bytes, expected {_FINISHED.size}")
+    return _FINISHED.unpack(data)[2]
+
+
+# ---------------------------------------------------------------- verdict
+
+
+class VerdictKind(enum.StrEnum):
+    ACCEPT = "accept"
+    AT_CAPACITY = "at_capacity"
+    VERSION_MISMATCH = "version_mismatch"
+    ROLE_REFUSED = "role_refused"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: VerdictKind
+    major: int = PROTOCOL_MAJOR
+    minor: int = PROTOCOL_MINOR
+    retry_after_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return msgpack.packb({
+            "verdict": self.kind.value, "major": self.major, "minor": self.minor,
+            "retry_after_s": float(self.retry_after_s), "extra": self.extra,
+        })
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray) -> Verdict:
+        if len(data) > MAX_VERDICT_BYTES:
+            raise MalformedHandshake("VERDICT is too large")
+        try:
+            body = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+            kind = VerdictKind(body["verdict"])
+            extra = body.get("extra", {})
+            retry = float(body.get("retry_after_s", 0.0))
+            major, minor = int(body.get("major", 0)), int(body.get("minor", 0))
+        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
+            raise MalformedHandshake("VERDICT is not a valid verdict map") from None
+        if not isinstance(extra, dict):
+            raise MalformedHandshake("VERDICT extra is not a map")
+        return cls(kind, major, minor, retry, extra)
+
+
+# ---------------------------------------------------------------- key schedule
+
+
+@dataclass(frozen=True, repr=False)
+class KeySchedule:
+    """Everything HKDF gives; repr is redacted so keys never reach a log."""
+
+    k_auth: bytes
+    k_c2s: bytes
+    k_s2c: bytes
+    iv_c2s: bytes
+    iv_s2c: bytes
+    kb_c2s: bytes
+    kb_s2c: bytes
+    ivb_c2s: bytes
+    ivb_s2c: bytes
+    transcript_hash: bytes
+
+    def __repr__(self) -> str:
+        return "KeySchedule(<redacted>)"
+
+
+_KEY_SIZES = (32, 32, 32, 4, 4, 32, 32, 4, 4)
+
+
+def derive_keys(shared: bytes, secret: bytes, client_random: bytes, server_random: bytes,
+                transcript: bytes) -> KeySchedule:
+    """HKDF-SHA256(ikm = X25519 shared ‖ secret, salt = randoms, info = label ‖ H(transcript))."""
+    th = hashlib.sha256(transcript).digest()
+    okm = HKDF(hashes.SHA256(), sum(_KEY_SIZES), client_random + server_random,
+               KDF_INFO_LABEL + th).derive(shared + secret)
+    parts, at = [], 0
+    for size in _KEY_SIZES:
+        parts.append(okm[at:at + size])
+        at += size
+    return KeySchedule(*parts, transcript_hash=th)
+
+
+def handshake_mac(keys: KeySchedule, side: bytes) -> bytes:
+    return hmac.new(keys.k_auth, side + keys.transcript_hash, hashlib.sha256).digest()
+
+
+def _x25519_shared(private: X25519PrivateKey, peer_pub: bytes) -> bytes:
+    try:
+        return private.exchange(X25519PublicKey.from_public_bytes(peer_pub))
+    except ValueError:
+        # Low-order points give an all-zero secret; cryptography refuses them.
+        raise BadKeyShare("peer sent an invalid X25519 key share") from None
+
+
+def _secret_bytes(secret: ClusterSecret | bytes | None) -> bytes:
+    if secret is None:
+        raise ConfigError("a link needs the cluster secret; " + HOW_TO_MAKE_ONE)
+    # ClusterSecret checks the length itself; raw bytes go through the same check.
+    checked = secret if isinstance(secret, ClusterSecret) else ClusterSecret(bytes(secret))
+    return checked.reveal()
+
+
+# ---------------------------------------------------------------- session
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    role: str
+    node_id: str
+    major: int
+    minor: int
+    wants_bulk: bool = False
+
+
+@dataclass
+class Session:
+    """The outcome of a handshake: who the peer is and the record streams to it."""
+
+    is_client: bool
+    peer: PeerInfo
+    sender: RecordSender = field(repr=False)
+    receiver: RecordReceiver = field(repr=False)
+    keys: KeySchedule = field(repr=False)
+
+    def bulk_records(self, max_record_bytes: int) -> tuple[RecordSender, RecordReceiver]:
+        """Record streams for the bulk channel (own keys, own sequence numbers)."""
+        k = self.keys
+        c2s = (k.kb_c2s, k.ivb_c2s, LABEL_BULK_C2S)
+        s2c = (k.kb_s2c, k.ivb_s2c, LABEL_BULK_S2C)
+        out, inn = (c2s, s2c) if self.is_client else (s2c, c2s)
+        return (RecordSender(*out, max_record_bytes=max_record_bytes),
+                RecordReceiver(*inn, max_record_bytes=max_record_bytes))
+
+    def channel_mac(self, label: bytes, token: bytes) -> bytes:
+        """A MAC binding an extra channel (the bulk socket) to this handshake."""
+        return hmac.new(self.keys.k_auth, label + token + self.keys.transcript_hash,
+                        hashlib.sha256).digest()
+
+
+def _make_session(is_client: bool, peer: PeerInfo, keys: KeySchedule,
+                  max_record_bytes: int) -> Session:
+    c2s = (keys.k_c2s, keys.iv_c2s, LABEL_C2S)
+    s2c = (keys.k_s2c, keys.iv_s2c, LABEL_S2C)
+    out, inn = (c2s, s2c) if is_client else (s2c, c2s)
+    return Session(is_client, peer,
+                   RecordSender(*out, max_record_bytes=max_record_bytes),
+                   RecordReceiver(*inn, max_record_bytes=max_record_bytes), keys)
+
+
+# ---------------------------------------------------------------- state machines
+
+
+class State(enum.Enum):
+    START = "start"
+    WAIT_SERVER_HELLO = "wait_server_hello"
+    WAIT_VERDICT = "wait_verdict"
+    WAIT_CLIENT_HELLO = "wait_client_hello"
+    WAIT_FINISHED = "wait_finished"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class _Handshake:
+    def __init__(self, secret: ClusterSecret | bytes, role: str, node_id: str,
+                 rng: Callable[[int], bytes], major: int, minor: int, max_record_bytes: int):
+        if role not in ROLE_CODES:
+            raise ValueError(f"unknown link role {role!r}; expected one of {sorted(ROLE_CODES)}")
+        _check_node_id(node_id)
+        self._secret = _secret_bytes(secret)
+        self.role, self.node_id = role, node_id
+        self.major, self.minor = major, minor
+        self._private = X25519PrivateKey.from_private_bytes(rng(32))
+        self._random = rng(RANDOM_BYTES)
+        self._max_record_bytes = max_record_bytes
+        self.session: Session | None = None
+        self.verdict: Verdict | None = None
+        self.peer: PeerInfo | None = None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(role={self.role!r}, node_id={self.node_id!r}, "
+                f"state={self.state.value})")
+
+    def _hello(self, msg_type: int, flags: int) -> Hello:
+        pub = self._private.public_key().public_bytes_raw()
+        return Hello(msg_type, self.major, self.minor, self.role, flags, self._random, pub,
+                     self.node_id)
+
+    def _expect(self, state: State) -> None:
+        if self.state is not state:
+            raise UnexpectedMessage(f"handshake message received in state {self.state.value}")
+
+    @property
+    def done(self) -> bool:
+        return self.state is State.DONE
+
+    def receive(self, message: bytes) -> bytes | None:
+        """Feed one handshake message; returns the reply to send, if any."""
+        try:
+            return self._receive(bytes(message))
+        except Exception:
+            self.state = State.FAILED  # no second chance after any failure
+            raise
+
+    def _receive(self, message: bytes) -> bytes | None:
+        raise NotImplementedError
+
+
+class ClientHandshake(_Handshake):
+    """Dialing side: ``start()`` then ``receive()`` each server message until ``done``."""
+
+    def __init__(self, secret: ClusterSecret | bytes, role: str, node_id: str, *,
+                 want_bulk: bool = False, expect_roles: Collection[str] | None = None,
+                 rng: Callable[[int], bytes] = os.urandom, major: int = PROTOCOL_MAJOR,
+                 minor: int = PROTOCOL_MINOR,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
+        super().__init__(secret, role, node_id, rng, major, minor, max_record_bytes)
+        self._flags = FLAG_WANTS_BULK if want_bulk else 0
+        self._expect_roles = frozenset(expect_roles) if expect_roles else None
+        self._client_hello = b""
+        self.state = State.START
+
+    def start(self) -> bytes:
+        self._expect(State.START)
+        self._client_hello = self._hello(MSG_CLIENT_HELLO, self._flags).encode()
+        self.state = State.WAIT_SERVER_HELLO
+        return self._client_hello
+
+    def _receive(self, message: bytes) -> bytes | None:
+        if self.state is State.WAIT_SERVER_HELLO:
+            return self._on_server_hello(message)
+        self._expect(State.WAIT_VERDICT)
+        self._on_verdict(message)
+        return None
+
+    def _on_server_hello(self, message: bytes) -> bytes:
+        hello, mac_s = parse_hello(message, MSG_SERVER_HELLO)
+        if len(mac_s) != MAC_BYTES:
+            raise MalformedHandshake("server HELLO has no valid MAC")
+        transcript = self._client_hello + message[: len(message) - MAC_BYTES]
+        shared = _x25519_shared(self._private, hello.pubkey)
+        keys = derive_keys(shared, self._secret, self._random, hello.random, transcript)
+        if not hmac.compare_digest(mac_s, handshake_mac(keys, b"server")):
+            raise BadMac("server HELLO MAC does not verify: different cluster secret, "
+                         "or the handshake was altered")
+        self.peer = PeerInfo(hello.role, hello.node_id, hello.major, hello.minor)
+        self.session = _make_session(True, self.peer, keys, self._max_record_bytes)
+        self.state = State.WAIT_VERDICT
+        return encode_finished(handshake_mac(keys, b"client"))
+
+    def _on_verdict(self, message: bytes) -> None:
+        if len(message) > MAX_VERDICT_BYTES:
+            raise MalformedHandshake("VERDICT record is too large")
+        try:
+            plain = self.session.receiver.open(message)
+        except RecordError as exc:
+            raise BadMac(f"VERDICT record does not verify: {exc.message}") from None
+        self.verdict = Verdict.decode(plain)
+        self._raise_for_verdict(self.verdict)
+        self.state = State.DONE
+
+    def _raise_for_verdict(self, verdict: Verdict) -> None:
+        peer = self.peer
+        if verdict.kind is VerdictKind.AT_CAPACITY:
+            raise PeerAtCapacity(f"peer {peer.node_id} is at capacity",
+                                 retry_after_s=verdict.retry_after_s)
+        if verdict.kind is VerdictKind.VERSION_MISMATCH:
+            raise VersionMismatch((self.major, self.minor), (verdict.major, verdict.minor))
+        if verdict.kind is VerdictKind.ROLE_REFUSED:
+            raise RoleRefused(f"peer {peer.node_id} ({peer.role}) refused role {self.role}")
+        if self._expect_roles is not None and peer.role not in self._expect_roles:
+            raise RoleRefused(f"peer {peer.node_id} has role {peer.role}, "
+                              f"expected one of {sorted(self._expect_roles)}")
+
+
+class ServerHandshake(_Handshake):
+    """Accepting side: ``receive()`` the client HELLO, then FINISHED (returns the VERDICT).
+
+    The verdict is decided when FINISHED verifies: version, then role, then
+    ``at_capacity()``; on accept, ``accept_extra(session)`` may add fields
+    (the link layer announces its bulk channel there).
+    """
+
+    def __init__(self, secret: ClusterSecret | bytes, role: str, node_id: str,
+                 accept_roles: Collection[str], *,
+                 at_capacity: Callable[[], float | None] | None = None,
+                 accept_extra: Callable[[Session], dict[str, Any]] | None = None,
+                 rng: Callable[[int], bytes] = os.urandom, major: int = PROTOCOL_MAJOR,
+                 minor: int = PROTOCOL_MINOR,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
+        super().__init__(secret, role, node_id, rng, major, minor, max_record_bytes)
+        self._accept_roles = frozenset(accept_roles)
+        # Asked at FINISHED time: None = room, else the retry-after to announce.
+        self._at_capacity = at_capacity
+        self._accept_extra = accept_extra
+        self._keys: KeySchedule | None = None
+        self.state = State.WAIT_CLIENT_HELLO
+
+    def _receive(self, message: bytes) -> bytes | None:
+        if self.state is State.WAIT_CLIENT_HELLO:
+            return self._on_client_hello(message)
+        self._expect(State.WAIT_FINISHED)
+        return self._on_finished(message)
+
+    def _on_client_hello(self, message: bytes) -> bytes:
+        hello, rest = parse_hello(message, MSG_CLIENT_HELLO)
+        if rest:
+            raise MalformedHandshake("client HELLO has trailing bytes")
+        body = self._hello(MSG_SERVER_HELLO, 0).encode()
+        shared = _x25519_shared(self._private, hello.pubkey)
+        self._keys = derive_keys(shared, self._secret, hello.random, self._random, message + body)
+        self.peer = PeerInfo(hello.role, hello.node_id, hello.major, hello.minor,
+                             wants_bulk=bool(hello.flags & FLAG_WANTS_BULK))
+        self.state = State.WAIT_FINISHED
+        return body + handshake_mac(self._keys, b"server")
+
+    def _on_finished(self, message: bytes) -> bytes:
+        mac_c = parse_finished(message)
+        if not hmac.compare_digest(mac_c, handshake_mac(self._keys, b"client")):
+            raise BadMac(f"client {self.peer.node_id} FINISHED MAC does not verify: "
+                         "different cluster secret, or the handshake was altered")
+        self.session = _make_session(False, self.peer, self._keys, self._max_record_bytes)
+        self.verdict = self._decide()
+        self.state = State.DONE
+        return bytes(self.session.sender.seal(self.verdict.encode()))
+
+    def _decide(self) -> Verdict:
+        """Version first (a newer peer may use roles we don't know), then role, then capacity."""
+        peer, ours = self.peer, (self.major, self.minor)
+        if peer.major != self.major:
+            return Verdict(VerdictKind.VERSION_MISMATCH, *ours)
+        if peer.role not in self._accept_roles:
+            return Verdict(VerdictKind.ROLE_REFUSED, *ours)
+        retry_after_s = self._at_capacity() if self._at_capacity else None
+        if retry_after_s is not None:
+            return Verdict(VerdictKind.AT_CAPACITY, *ours, retry_after_s=retry_after_s)
+        # Called only on accept: the I/O layer reserves a slot / bulk token here.
+        extra = self._accept_extra(self.session) if self._accept_extra else {}
+        return Verdict(VerdictKind.ACCEPT, *ours, extra=extra)

@@ -1,0 +1,503 @@
+"""A link: one authenticated, encrypted, bidirectional frame stream between two nodes.
+
+The control path is a WebSocket (websockets 15, ``compression=None``): every
+message after the handshake is one AES-GCM record carrying one link record:
+
+    0x00 FRAME  ‖ encoded frame
+    0x01 BULK   ‖ u64 body length ‖ encoded frame without body (body on the bulk channel)
+    0x02 PART   ‖ a piece of an encoded frame (more follow)
+    0x03 LAST   ‖ the last piece
+
+Large bodies go over the bulk channel (``link_bulk``) when both ends have one,
+otherwise they are split into PART/LAST records no bigger than the record bound.
+Sends go through a byte-bounded queue drained by one writer task, so a slow
+peer makes ``send`` wait instead of growing memory, and a cancelled ``send``
+can never leave half a record on the wire. One reader task decrypts, answers
+PINGs, and hands frames to ``recv`` through a bounded queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from websockets.asyncio.connection import Connection
+from websockets.exceptions import ConnectionClosed
+
+from mlxcel_plugin.errors import NodeLostError, ProtocolError
+from mlxcel_plugin.frames import (
+    Frame,
+    FrameType,
+    Ping,
+    UnknownFrameType,
+    decode_frame,
+    encode_header,
+    split_frame,
+)
+from mlxcel_plugin.handshake import PeerInfo, Session
+from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel
+from mlxcel_plugin.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
+
+logger = logging.getLogger("mlxcel_plugin.link")
+
+KIND_FRAME, KIND_BULK, KIND_PART, KIND_LAST = 0, 1, 2, 3
+_BULK_LEN = struct.Struct(">Q")
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+_MAX_PENDING_CONTROL = 64  # PONGs waiting to go out; beyond this a ping flood is dropped
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Tunables of a link; defaults suit a LAN cluster."""
+
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    max_frame_bytes: int = 1024 * 1024 * 1024  # one frame, reassembled; the KV layer splits above
+    handshake_timeout_s: float = 5.0
+    send_queue_bytes: int = 32 * 1024 * 1024
+    recv_queue_frames: int = 16
+    ws_max_queue: int = 4  # WebSocket messages buffered before TCP pushes back
+    ping_interval_s: float | None = 20.0
+    ping_timeout_s: float | None = 20.0
+    close_timeout_s: float = 5.0
+    bulk: bool = True
+    bulk_threshold_bytes: int = 256 * 1024  # bodies at least this big use the bulk channel
+    bulk_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    bulk_io_timeout_s: float = 60.0
+
+    @property
+    def ws_max_size(self) -> int:
+        return self.max_record_bytes + TAG_BYTES
+
+
+class LinkClosed(NodeLostError):
+    """The link is closed (by either side, or after a protocol failure)."""
+
+    code = "link_closed"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
+
+
+class _ByteBudget:
+    """Bytes queued or in flight; ``acquire`` waits while the budget is spent."""
+
+    def __init__(self, limit: int):
+        self._limit, self.used = limit, 0
+        self._changed = asyncio.Event()
+
+    async def acquire(self, n: int, is_open: Callable[[], bool]) -> None:
+        # A frame bigger than the whole budget still goes, alone.
+        while is_open() and self.used and self.used + n > self._limit:  # ends on release/close
+            self._changed.clear()
+            await self._changed.wait()
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._changed.set()
+
+    def wake_all(self) -> None:
+        self._changed.set()
+
+
+_CLOSED = object()
+
+
+class Link:
+    """An established link; made by ``dial_link`` or handed to ``serve_links``' ``on_link``."""
+
+    def __init__(self, ws: Connection, session: Session, config: LinkConfig,
+                 bulk: BulkChannel | None = None, *, local_role: str = "", local_node_id: str = ""):
+        self._ws, self._session, self._config, self._bulk = ws, session, config, bulk
+        self.local_role, self.local_node_id = local_role, local_node_id
+        self.remote_address = _format_address(ws.remote_address)
+        self.error: ProtocolError | None = None
+        self._closed = False
+        self._budget = _ByteBudget(config.send_queue_bytes)
+        self._outbox: collections.deque[tuple[Frame, int]] = collections.deque()
+        self._outbox_ready = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._control: collections.deque[Frame] = collections.deque()
+        self._inbox: asyncio.Queue[object] = asyncio.Queue(config.recv_queue_frames)
+        self._parts: list[bytes] = []
+        self._parts_bytes = 0
+        # One thread per direction: bodies are written and read strictly in submission
+        # order, so the writer and reader tasks can queue the next body without waiting.
+        self._bulk_out = ThreadPoolExecutor(1, "mlxcel-bulk-out") if bulk else None
+        self._bulk_in = ThreadPoolExecutor(1, "mlxcel-bulk-in") if bulk else None
+        self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
+        self._head: object | None = None
+        self._last_bulk_read: asyncio.Future | None = None
+        self._done = asyncio.Event()
+        self._closer: asyncio.Task[None] | None = None
+        self._tasks = [asyncio.create_task(self._write_loop(), name="link-writer"),
+                       asyncio.create_task(self._read_loop(), name="link-reader")]
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def peer(self) -> PeerInfo:
+        return self._session.peer
+
+    @property
+    def peer_role(self) -> str:
+        return self._session.peer.role
+
+    @property
+    def peer_node_id(self) -> str:
+        return self._session.peer.node_id
+
+    @property
+    def has_bulk(self) -> bool:
+        return self._bulk is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def latency_s(self) -> float:
+        """Round trip of the last WebSocket keepalive ping (0 before the first)."""
+        return self._ws.latency
+
+    def __repr__(self) -> str:
+        return (f"Link(peer={self.peer_node_id!r}, role={self.peer_role!r}, "
+                f"address={self.remote_address!r}, closed={self._closed})")
+
+    async def send(self, frame: Frame) -> None:
+        """Queue one frame; waits while the send queue is full. Raises LinkClosed.
+
+        The body may be any C-contiguous buffer (bytes, memoryview, numpy array);
+        it is sent without a copy, so do not modify it until ``drain()`` returns.
+        """
+        frame = _flat_body(frame)
+        size = len(encode_header(frame.type, frame.header)) + len(frame.body)
+        if size > self._config.max_frame_bytes:
+            raise FrameTooLarge(f"frame of {size} bytes exceeds {self._config.max_frame_bytes}")
+        self._raise_if_closed()
+        await self._budget.acquire(size, lambda: not self._closed)
+        if self._closed:
+            self._budget.release(size)
+            self._raise_if_closed()
+        self._outbox.append((frame, size))
+        self._drained.clear()
+        self._outbox_ready.set()
+
+    async def recv(self) -> Frame:
+        """The next frame from the peer. Raises LinkClosed once the link is closed.
+
+        Safe to cancel: a frame being awaited stays first in line for the next call.
+        """
+        while True:  # skips bulk frames of unknown type; ends with a frame or LinkClosed
+            if self._head is None:
+                if self._closed and self._inbox.empty():
+                    self._raise_if_closed()
+                self._head = await self._inbox.get()
+            item = self._head
+            if item is _CLOSED:
+                self._raise_if_closed()
+            if isinstance(item, asyncio.Future):
+                # shield: if our caller is cancelled, the body keeps coming for the next recv.
+                item = await asyncio.shield(item)
+            self._head = None
+            if item is not None:
+                return item
+
+    async def __aiter__(self) -> AsyncIterator[Frame]:
+        """Frames until the link closes (check ``error`` for why)."""
+        while True:  # ends when the link closes
+            try:
+                yield await self.recv()
+            except LinkClosed:
+                return
+
+    async def drain(self) -> None:
+        """Wait until every queued frame has been handed to the sockets."""
+        await self._drained.wait()
+        self._raise_if_closed()
+
+    async def close(self, code: int = CLOSE_NORMAL, reason: str = "", *,
+                    flush: bool = True) -> None:
+        """Close both channels; idempotent.
+
+        With ``flush`` queued frames still go out first, for at most
+        ``close_timeout_s``; after a failure nothing more is sent.
+        """
+        if self._closed:
+            await self._done.wait()
+            return
+        if flush and self.error is None:
+            await self._flush_quietly()
+        self._mark_closed()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        await asyncio.gather(*(t for t in self._tasks if t is not current),
+                             return_exceptions=True)
+        if self._bulk is not None:
+            await self._stop_bulk()
+        await self._ws.close(code, reason)
+        self._budget.wake_all()
+        self._done.set()
+
+    async def _stop_bulk(self) -> None:
+        self._bulk.shutdown()  # wakes worker threads blocked on the socket
+        for executor in (self._bulk_out, self._bulk_in):
+            executor.shutdown(wait=False, cancel_futures=True)
+        # Close the fd only after the threads let go of it, so it cannot be reused under them.
+        await asyncio.to_thread(self._join_bulk_threads)
+        self._bulk.close()
+
+    def _join_bulk_threads(self) -> None:
+        self._bulk_out.shutdown(wait=True)
+        self._bulk_in.shutdown(wait=True)
+
+    async def wait_closed(self) -> None:
+        await self._done.wait()
+
+    async def _flush_quietly(self) -> None:
+        try:
+            async with asyncio.timeout(self._config.close_timeout_s):
+                await self._drained.wait()
+        except TimeoutError:
+            logger.info("link %s: closing with frames unsent to %s after %.1fs",
+                        self.local_node_id, self.peer_node_id, self._config.close_timeout_s)
+
+    # ------------------------------------------------------------ internals
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            reason = self.error.message if self.error else "closed"
+            raise LinkClosed(f"link to {self.peer_node_id} is closed: {reason}")
+
+    def _mark_closed(self) -> None:
+        self._closed = True
+        self._drained.set()
+        if not self._inbox.full():
+            self._inbox.put_nowait(_CLOSED)  # wakes a recv() blocked on an empty inbox
+        # else: frames already received stay deliverable; recv() sees the close after them
+
+    def _spawn_fail(self, args: tuple[BaseException, int]) -> None:
+        # A separate task: close() cancels the reader and writer, which may be the caller.
+        if self._closer is None:
+            self._closer = asyncio.create_task(self._fail(*args), name="link-close")
+
+    async def _fail(self, exc: BaseException, code: int) -> None:
+        """Log a failure naming the peer (never keys or the secret) and close."""
+        if isinstance(exc, ProtocolError):
+            self.error = exc
+            logger.warning("link %s: protocol failure from %s (%s %s): %s; closing",
+                           self.local_node_id, self.remote_address, self.peer_role,
+                           self.peer_node_id, exc.message)
+            reason = exc.code or "protocol_error"
+        else:
+            logger.info("link %s: connection to %s (%s) lost: %s", self.local_node_id,
+                        self.remote_address, self.peer_node_id, type(exc).__name__)
+            reason = ""
+        await self.close(code, reason[:120], flush=False)
+
+    # writer
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:  # until the link closes
+                if self._control:
+                    await self._write_frame(self._control.popleft())
+                    continue
+                if not self._outbox:
+                    if not self._bulk_writes:
+                        self._drained.set()
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                frame, size = self._outbox.popleft()
+                in_flight = False
+                try:
+                    in_flight = await self._write_frame(frame, size)
+                finally:
+                    if not in_flight:
+                        self._budget.release(size)
+        except (ConnectionClosed, OSError) as exc:
+            self._spawn_fail((exc, CLOSE_GOING_AWAY))
+        except ProtocolError as exc:
+            self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
+
+    async def _write_frame(self, frame: Frame, size: int = 0) -> bool:
+        """Write one frame; True when its body is still going out on the bulk thread."""
+        prefix = encode_header(frame.type, frame.header)
+        body = frame.body
+        if self._bulk is not None and len(body) >= self._config.bulk_threshold_bytes:
+            await self._send_record(bytes([KIND_BULK]) + _BULK_LEN.pack(len(body)) + prefix)
+            self._start_bulk_write(body, size)
+            return True
+        limit = self._config.max_record_bytes - 1
+        if len(prefix) + len(body) <= limit:
+            await self._send_record(b"".join((bytes([KIND_FRAME]), prefix, body)))
+            return False
+        await self._send_parts(prefix + bytes(body), limit)
+        return False
+
+    def _start_bulk_write(self, body: bytes | bytearray | memoryview, size: int) -> None:
+        """Hand the body to the bulk thread; its budget is released once it is on the socket."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._bulk_out, self._bulk.write_body, body)
+        self._bulk_writes += 1
+
+        def written(done: asyncio.Future) -> None:
+            self._bulk_writes -= 1
+            self._budget.release(size)
+            if done.cancelled():
+                return
+            if done.exception() is not None:
+                self._spawn_fail((done.exception(), CLOSE_GOING_AWAY))
+            elif not self._bulk_writes and not self._outbox:
+                self._drained.set()
+
+        future.add_done_callback(written)
+
+    async def _send_parts(self, encoded: bytes, limit: int) -> None:
+        view = memoryview(encoded)
+        for start in range(0, len(view), limit):
+            last = start + limit >= len(view)
+            kind = bytes([KIND_LAST if last else KIND_PART])
+            await self._send_record(kind + view[start:start + limit])
+
+    async def _send_record(self, plaintext: bytes) -> None:
+        # seal() reuses one buffer; websockets serializes it before send() returns.
+        await self._ws.send(self._session.sender.seal(plaintext))
+
+    def _queue_control(self, frame: Frame) -> None:
+        if len(self._control) >= _MAX_PENDING_CONTROL:
+            logger.debug("link %s: dropping PONG, %d already pending", self.local_node_id,
+                         len(self._control))
+            return
+        self._control.append(frame)
+        self._outbox_ready.set()
+
+    # reader
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:  # until the peer closes or breaks the protocol
+                message = await self._ws.recv()
+                frame = await self._handle_message(message)
+                if frame is not None:
+                    await self._inbox.put(frame)
+        except ConnectionClosed as exc:
+            # Bodies announced before the close are still arriving on the bulk channel.
+            await self._finish_bulk_reads()
+            self._spawn_fail((exc, CLOSE_NORMAL))
+        except ProtocolError as exc:
+            self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
+        except OSError as exc:
+            self._spawn_fail((exc, CLOSE_GOING_AWAY))
+
+    async def _finish_bulk_reads(self) -> None:
+        if self._last_bulk_read is not None:
+            await asyncio.wait({self._last_bulk_read}, timeout=self._config.close_timeout_s)
+
+    async def _handle_message(self, message: bytes | str) -> Frame | asyncio.Future | None:
+        if not isinstance(message, bytes):
+            raise ProtocolError("text message on a link; only binary records are allowed")
+        plain = self._session.receiver.open(message)
+        if not plain:
+            raise ProtocolError("empty link record")
+        kind, payload = plain[0], memoryview(plain)[1:]
+        if kind == KIND_BULK:
+            return self._start_bulk_read(payload)
+        if kind == KIND_PART:
+            self._add_part(payload)
+            return None
+        if kind == KIND_LAST:
+            self._add_part(payload)
+            payload, self._parts, self._parts_bytes = b"".join(self._parts), [], 0
+        elif kind != KIND_FRAME:
+            raise ProtocolError(f"unknown link record kind {kind}")
+        return self._deliver(self._decode(payload))
+
+    def _add_part(self, payload: memoryview) -> None:
+        self._parts_bytes += len(payload)
+        if self._parts_bytes > self._config.max_frame_bytes:
+            raise FrameTooLarge(f"fragmented frame exceeds {self._config.max_frame_bytes} bytes")
+        self._parts.append(bytes(payload))
+
+    def _start_bulk_read(self, payload: memoryview) -> asyncio.Future:
+        """Queue the body read on the bulk thread; recv() awaits it in frame order."""
+        if self._bulk is None or len(payload) < _BULK_LEN.size:
+            raise ProtocolError("BULK record on a link without a bulk channel")
+        (n_bytes,) = _BULK_LEN.unpack_from(payload)
+        if n_bytes > self._config.max_frame_bytes:
+            raise FrameTooLarge(f"bulk body of {n_bytes} bytes exceeds "
+                                f"{self._config.max_frame_bytes}")
+        type_code, header, _ = split_frame(payload[_BULK_LEN.size:])
+        loop = asyncio.get_running_loop()
+        # Read the body even for an unknown frame type, to keep the stream in step.
+        body_read = loop.run_in_executor(self._bulk_in, self._bulk.read_body, n_bytes)
+        frame: asyncio.Future = loop.create_future()
+
+        def arrived(done: asyncio.Future) -> None:
+            if frame.done():
+                return
+            if done.cancelled():
+                frame.set_result(None)
+            elif done.exception() is not None:
+                # recv() skips the None and then meets the close the failure queues.
+                frame.set_result(None)
+                self._spawn_fail((done.exception(), CLOSE_POLICY_VIOLATION))
+            else:
+                frame.set_result(self._bulk_frame(type_code, header, done.result()))
+
+        body_read.add_done_callback(arrived)
+        self._last_bulk_read = frame
+        return frame
+
+    def _bulk_frame(self, type_code: int, header: dict, body: bytearray) -> Frame | None:
+        try:
+            return Frame(FrameType(type_code), header, memoryview(body))
+        except ValueError:
+            logger.debug("link %s: skipping unknown frame type %d", self.local_node_id, type_code)
+            return None
+
+    def _decode(self, payload: bytes | memoryview) -> Frame | None:
+        try:
+            return decode_frame(payload)
+        except UnknownFrameType as exc:
+            # A newer minor version may add frame types; skipping keeps us compatible.
+            logger.debug("link %s: skipping %s", self.local_node_id, exc.message)
+            return None
+
+    def _deliver(self, frame: Frame | None) -> Frame | None:
+        """PINGs are answered here (whether or not the app is reading); the rest go to recv."""
+        if frame is not None and frame.type is FrameType.PING:
+            self._queue_control(Ping.from_frame(frame).pong())
+            return None
+        return frame
+
+
+def _flat_body(frame: Frame) -> Frame:
+    """Bodies as flat byte buffers, so len() is the byte count (numpy arrays aren't)."""
+    if isinstance(frame.body, bytes | bytearray):
+        return frame
+    view = memoryview(frame.body)
+    if view.format == "B" and view.ndim == 1:
+        return frame
+    return Frame(frame.type, frame.header, view.cast("B"))
+
+
+def _format_address(address: object) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address)

@@ -1,0 +1,277 @@
+"""The bulk channel: a raw TCP stream beside a link's WebSocket, for large bodies.
+
+Why: on loopback a WebSocket message path tops out near a quarter of raw TCP
+(receive-side copying in websockets, DESIGN §8). The bulk channel carries only
+frame bodies, as AES-256-GCM records with their own keys and sequence numbers
+from the same handshake; the frame's header and the body length go over the
+WebSocket (authenticated), so ordering and lengths come from the control link
+and the stream itself needs no framing. I/O is blocking ``sendall`` /
+``recv_into(MSG_WAITALL)`` into preallocated buffers, in a worker thread: one
+syscall per record, no event-loop round trips, no per-record allocation.
+
+Attaching: the server's ACCEPT verdict (encrypted) names a port and a one-time
+token; the client connects and sends ``MLXB ‖ token ‖ HMAC(k_auth, "bulk client"
+‖ token ‖ H(transcript))``, the server answers ``MLXB ‖ HMAC(k_auth, "bulk
+server" ‖ ...)``. Only the two ends of that handshake can produce either MAC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+import struct
+import sys
+from dataclasses import dataclass
+
+from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.handshake import Session
+from mlxcel_plugin.records import TAG_BYTES, RecordReceiver, RecordSender
+
+logger = logging.getLogger("mlxcel_plugin.link")
+
+BULK_MAGIC = b"MLXB"
+TOKEN_BYTES = 16
+MAC_BYTES = 32
+CLIENT_HELLO_BYTES = len(BULK_MAGIC) + TOKEN_BYTES + MAC_BYTES
+SERVER_HELLO_BYTES = len(BULK_MAGIC) + MAC_BYTES
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+class BulkError(ProtocolError):
+    code = "bulk_channel"
+
+
+class BulkAuthError(BulkError):
+    code = "bulk_auth_failed"
+
+
+class BulkTimeout(BulkError):
+    code = "bulk_timeout"
+
+
+# ---------------------------------------------------------------- data path
+
+
+def _set_io_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking socket with kernel timeouts, so MSG_WAITALL works and a stall ends."""
+    sock.settimeout(None)
+    whole = max(1, int(timeout_s))
+    tv = struct.pack("ll", whole, 0) if sys.platform != "darwin" else struct.pack("qi4x", whole, 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+class BulkChannel:
+    """One authenticated bulk stream; ``write_body``/``read_body`` block (run them in a thread).
+
+    Each direction is used by one thread at a time (the link's writer task and
+    reader task each await their side), so no locking is needed here.
+    """
+
+    def __init__(self, sock: socket.socket, sender: RecordSender, receiver: RecordReceiver,
+                 chunk_bytes: int, io_timeout_s: float):
+        self._sock = sock
+        self._sender, self._receiver = sender, receiver
+        self.chunk_bytes = chunk_bytes
+        self._out = bytearray(chunk_bytes + TAG_BYTES)
+        self._in = bytearray(chunk_bytes + TAG_BYTES)
+        _tune(sock)
+        _set_io_timeout(sock, io_timeout_s)
+
+    def write_body(self, body: bytes | bytearray | memoryview) -> None:
+        view = memoryview(body).cast("B")
+        out = memoryview(self._out)
+        try:
+            for start in range(0, len(view), self.chunk_bytes):
+                n = self._sender.seal_into(view[start:start + self.chunk_bytes], out)
+                self._sock.sendall(out[:n])
+        except TimeoutError as exc:
+            raise BulkTimeout("bulk channel send timed out") from exc
+
+    def read_body(self, n_bytes: int) -> bytearray:
+        """Read exactly ``n_bytes`` of body (the length came authenticated over the link)."""
+        body = bytearray(n_bytes)
+        dest = memoryview(body)
+        for start in range(0, n_bytes, self.chunk_bytes):
+            size = min(self.chunk_bytes, n_bytes - start) + TAG_BYTES
+            record = self._recv_exactly(size)
+            self._receiver.open_into(record, dest[start:])
+        return body
+
+    def _recv_exactly(self, size: int) -> memoryview:
+        view = memoryview(self._in)[:size]
+        got = 0
+        while got < size:  # bounded: each pass reads >= 1 byte or raises
+            try:
+                n = self._sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError) as exc:
+                raise BulkTimeout("bulk channel receive timed out") from exc
+            if n == 0:
+                raise BulkError("bulk channel closed in the middle of a body")
+            got += n
+        return view
+
+    def shutdown(self) -> None:
+        """Wake threads blocked in send/recv on this socket (they then fail fast)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            logger.debug("bulk socket already disconnected")
+
+    def close(self) -> None:
+        """Release the socket; call once no thread uses it any more."""
+        self.shutdown()
+        self._sock.close()
+
+
+def make_channel(sock: socket.socket, session: Session, chunk_bytes: int,
+                 io_timeout_s: float) -> BulkChannel:
+    sender, receiver = session.bulk_records(max_record_bytes=chunk_bytes)
+    return BulkChannel(sock, sender, receiver, chunk_bytes, io_timeout_s)
+
+
+# ---------------------------------------------------------------- attaching
+
+
+async def _recv_exactly_async(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                              size: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < size:  # bounded by size; each pass reads >= 1 byte or fails
+        chunk = await loop.sock_recv(sock, size - len(buf))
+        if not chunk:
+            raise BulkError("bulk channel closed during its hello")
+        buf += chunk
+    return bytes(buf)
+
+
+async def attach_client(host: str, port: int, token: bytes, session: Session,
+                        chunk_bytes: int, io_timeout_s: float) -> BulkChannel:
+    """Client side: connect to the announced bulk port and prove the session."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, address)
+        hello = BULK_MAGIC + token + session.channel_mac(b"bulk client", token)
+        await loop.sock_sendall(sock, hello)
+        reply = await _recv_exactly_async(loop, sock, SERVER_HELLO_BYTES)
+        expected = BULK_MAGIC + session.channel_mac(b"bulk server", token)
+        if not hmac.compare_digest(reply, expected):
+            raise BulkAuthError("bulk channel server MAC does not verify")
+        return make_channel(sock, session, chunk_bytes, io_timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+
+
+@dataclass
+class _Pending:
+    session: Session
+    future: asyncio.Future[socket.socket]
+
+
+class BulkListener:
+    """Server side: one listening socket shared by every link of a ``serve_links``."""
+
+    def __init__(self, sock: socket.socket, handshake_timeout_s: float):
+        self._sock = sock
+        self._timeout_s = handshake_timeout_s
+        self._pending: dict[bytes, _Pending] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._hello_tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def bind(cls, host: str, port: int, handshake_timeout_s: float) -> BulkListener:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        sock.setblocking(False)
+        return cls(sock, handshake_timeout_s)
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1]
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    def expect(self, session: Session) -> tuple[bytes, asyncio.Future[socket.socket]]:
+        """Register a one-time token for a session about to be accepted."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[token] = _Pending(session, future)
+        return token, future
+
+    def forget(self, token: bytes) -> None:
+        self._pending.pop(token, None)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:  # runs until close() cancels it
+            conn, addr = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            task = loop.create_task(self._hello(conn, addr))
+            self._hello_tasks.add(task)
+            task.add_done_callback(self._hello_tasks.discard)
+
+    async def _hello(self, conn: socket.socket, addr: object) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                hello = await _recv_exactly_async(loop, conn, CLIENT_HELLO_BYTES)
+                pending = self._verify(hello)
+                token = hello[4:4 + TOKEN_BYTES]
+                await loop.sock_sendall(conn, BULK_MAGIC + pending.session.channel_mac(
+                    b"bulk server", token))
+        except (ProtocolError, OSError, TimeoutError) as exc:
+            logger.warning("bulk channel from %s refused: %s", addr, _describe(exc))
+            conn.close()
+            return
+        if pending.future.done():  # the link gave up waiting meanwhile
+            conn.close()
+            return
+        pending.future.set_result(conn)
+
+    def _verify(self, hello: bytes) -> _Pending:
+        if hello[:4] != BULK_MAGIC:
+            raise BulkAuthError("not a bulk channel hello")
+        token, mac = hello[4:4 + TOKEN_BYTES], hello[4 + TOKEN_BYTES:]
+        pending = self._pending.pop(token, None)  # one-time: a replayed hello finds nothing
+        if pending is None:
+            raise BulkAuthError("unknown or already used bulk token")
+        if not hmac.compare_digest(mac, pending.session.channel_mac(b"bulk client", token)):
+            raise BulkAuthError("bulk channel client MAC does not verify")
+        return pending
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._hello_tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for pending in self._pending.values():
+            pending.future.cancel()
+        self._pending.clear()
+        self._sock.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ProtocolError):
+        return exc.message
+    if isinstance(exc, TimeoutError):
+        return "hello deadline passed"
+    return f"{type(exc).__name__}: {exc}"

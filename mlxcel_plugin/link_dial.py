@@ -1,0 +1,123 @@
+"""Dialing links: ``dial_link`` (one attempt) and ``dial_with_backoff`` (bounded retries)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.handshake import ClientHandshake, PeerAtCapacity
+from mlxcel_plugin.link import CLOSE_POLICY_VIOLATION, Link, LinkClosed, LinkConfig
+from mlxcel_plugin.link_bulk import BulkChannel, attach_client
+from mlxcel_plugin.link_server import parse_bind, recv_handshake_message
+from mlxcel_plugin.secret import ClusterSecret
+
+logger = logging.getLogger("mlxcel_plugin.link")
+
+
+async def dial_link(addr: str, secret: ClusterSecret | bytes, role: str, node_id: str, *,
+                    expect_roles: Collection[str] | None = None,
+                    config: LinkConfig | None = None) -> Link:
+    """Connect to a ``serve_links`` peer at "host:port" and run the handshake.
+
+    Raises HandshakeError subclasses (BadMac, RoleRefused, VersionMismatch,
+    PeerAtCapacity with ``retry_after_s``), TimeoutError past the handshake
+    deadline, OSError / websockets errors when the peer is unreachable.
+    """
+    config = config or LinkConfig()
+    host, port = parse_bind(addr)
+    ws = await connect(
+        f"ws://{addr}/link", compression=None, max_size=config.ws_max_size,
+        max_queue=config.ws_max_queue, open_timeout=config.handshake_timeout_s,
+        ping_interval=config.ping_interval_s, ping_timeout=config.ping_timeout_s,
+        close_timeout=config.close_timeout_s, proxy=None, user_agent_header=None,
+    )
+    try:
+        async with asyncio.timeout(config.handshake_timeout_s):
+            hs = await _client_handshake(ws, secret, role, node_id, expect_roles, config)
+            bulk = await _attach_bulk(host, hs, config)
+    except ProtocolError as exc:
+        logger.warning("link %s: handshake with %s failed: %s", node_id, addr, exc.message)
+        await ws.close(CLOSE_POLICY_VIOLATION, exc.code or "protocol_error")
+        raise
+    except BaseException:
+        await ws.close()
+        raise
+    return Link(ws, hs.session, config, bulk, local_role=role, local_node_id=node_id)
+
+
+async def _client_handshake(ws: ClientConnection, secret: ClusterSecret | bytes, role: str,
+                            node_id: str, expect_roles: Collection[str] | None,
+                            config: LinkConfig) -> ClientHandshake:
+    hs = ClientHandshake(secret, role, node_id, want_bulk=config.bulk, expect_roles=expect_roles,
+                         max_record_bytes=config.max_record_bytes)
+    await ws.send(hs.start())
+    await ws.send(hs.receive(await recv_handshake_message(ws)))
+    hs.receive(await recv_handshake_message(ws))  # the VERDICT; raises unless accepted
+    return hs
+
+
+async def _attach_bulk(host: str, hs: ClientHandshake, config: LinkConfig) -> BulkChannel | None:
+    extra = hs.verdict.extra
+    port, token = extra.get("bulk_port"), extra.get("bulk_token")
+    if not config.bulk or not isinstance(port, int) or not isinstance(token, bytes):
+        return None
+    chunk = extra.get("bulk_chunk_bytes", config.bulk_chunk_bytes)
+    if not isinstance(chunk, int) or not 0 < chunk <= config.max_record_bytes:
+        raise ProtocolError("peer announced an invalid bulk chunk size")
+    return await attach_client(host, port, token, hs.session, chunk, config.bulk_io_timeout_s)
+
+
+# ---------------------------------------------------------------- reconnecting
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter: initial_s, ×factor each try, capped at max_s."""
+
+    initial_s: float = 0.1
+    max_s: float = 5.0
+    factor: float = 2.0
+    jitter: float = 0.2  # ± fraction of the delay
+
+    def delay_s(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
+        base = min(self.max_s, self.initial_s * self.factor ** attempt)
+        return base * (1 + self.jitter * (2 * rng() - 1))
+
+
+# Worth another try: the peer is down, restarting, busy, or the network blipped.
+RETRYABLE = (OSError, TimeoutError, ConnectionClosed, InvalidHandshake, PeerAtCapacity,
+             LinkClosed)
+
+
+async def dial_with_backoff(addr: str, secret: ClusterSecret | bytes, role: str, node_id: str, *,
+                            expect_roles: Collection[str] | None = None,
+                            config: LinkConfig | None = None, backoff: Backoff = Backoff(),
+                            max_attempts: int = 10,
+                            sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                            rng: Callable[[], float] = random.random) -> Link:
+    """``dial_link`` until it succeeds or ``max_attempts`` are spent (then the last error).
+
+    Authentication, role and version failures are not retried: they will not heal.
+    An at-capacity peer is retried no sooner than the retry-after it announced.
+    """
+    for attempt in range(max_attempts):
+        try:
+            return await dial_link(addr, secret, role, node_id, expect_roles=expect_roles,
+                                   config=config)
+        except RETRYABLE as exc:
+            if attempt + 1 >= max_attempts:
+                raise
+            delay = backoff.delay_s(attempt, rng)
+            if isinstance(exc, PeerAtCapacity):
+                delay = max(delay, exc.retry_after_s)
+            logger.info("link %s: dial %s failed (%s); retry in %.2fs", node_id, addr,
+                        type(exc).__name__, delay)
+            await sleep(delay)
+    raise ValueError("max_attempts must be at least 1")

@@ -1,0 +1,243 @@
+"""Accepting links: ``serve_links`` runs the server handshake for each WebSocket.
+
+Per connection: handshake under a deadline (a slow-loris peer is dropped),
+then the authenticated VERDICT. Over ``max_links`` the peer gets an
+at-capacity verdict with a retry-after instead of a link. Any protocol failure
+closes with 1008 and one log line naming the peer address, never the secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.handshake import ServerHandshake, Session, VerdictKind
+from mlxcel_plugin.link import (
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_TRY_AGAIN_LATER,
+    Link,
+    LinkConfig,
+    _format_address,
+)
+from mlxcel_plugin.link_bulk import BulkListener, make_channel
+from mlxcel_plugin.secret import ClusterSecret
+
+logger = logging.getLogger("mlxcel_plugin.link")
+
+OnLink = Callable[[Link], Awaitable[None]]
+
+
+class NotBinary(ProtocolError):
+    code = "handshake_not_binary"
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """'host:port' (IPv6 as '[::1]:port') → (host, port)."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bind address {bind!r} is not host:port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def recv_handshake_message(ws: Any) -> bytes:
+    message = await ws.recv()
+    if not isinstance(message, bytes):
+        raise NotBinary("handshake message is not binary")
+    return message
+
+
+@dataclass
+class LinkServer:
+    """What ``serve_links`` returns: the bound address and the live links."""
+
+    host: str
+    port: int
+    bulk_port: int | None
+    links: set[Link] = field(default_factory=set)
+    _ws_server: Server | None = None
+    _bulk: BulkListener | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def close(self) -> None:
+        """Stop accepting, close every link, release the ports."""
+        if self._ws_server is not None:
+            self._ws_server.close(close_connections=False)
+        await asyncio.gather(*(link.close(1001, "server shutting down") for link in self.links))
+        if self._ws_server is not None:
+            await self._ws_server.wait_closed()
+        if self._bulk is not None:
+            await self._bulk.close()
+
+    async def __aenter__(self) -> LinkServer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+@dataclass
+class _Admission:
+    """One connection's claim: a reserved link slot and, maybe, a bulk token."""
+
+    reserved: bool = False
+    bulk_token: bytes | None = None
+    bulk_future: asyncio.Future | None = None
+
+
+@dataclass
+class _Acceptor:
+    """State shared by every connection of one ``serve_links`` call."""
+
+    secret: ClusterSecret | bytes
+    role: str
+    node_id: str
+    accept_roles: frozenset[str]
+    on_link: OnLink
+    max_links: int
+    retry_after_s: float
+    config: LinkConfig
+    server: LinkServer
+    bulk: BulkListener | None
+    handshakes_in_flight: int = 0
+    reserved: int = 0  # accepted, waiting for the bulk channel, not yet in server.links
+
+    async def handle(self, ws: ServerConnection) -> None:
+        if self.handshakes_in_flight >= 4 * self.max_links:
+            await ws.close(CLOSE_TRY_AGAIN_LATER, "too many handshakes")
+            return
+        self.handshakes_in_flight += 1
+        try:
+            link = await self._establish(ws)
+        finally:
+            self.handshakes_in_flight -= 1
+        if link is not None:
+            await self._run(link)  # adds the link before any await: the slot stays counted
+
+    # ---- handshake
+
+    def _at_capacity(self) -> float | None:
+        full = len(self.server.links) + self.reserved >= self.max_links
+        return self.retry_after_s if full else None
+
+    def _on_accept(self, session: Session, admission: _Admission) -> dict[str, Any]:
+        self.reserved += 1
+        admission.reserved = True
+        if self.bulk is None or not session.peer.wants_bulk:
+            return {}
+        token, future = self.bulk.expect(session)
+        admission.bulk_token, admission.bulk_future = token, future
+        return {"bulk_port": self.bulk.port, "bulk_token": token,
+                "bulk_chunk_bytes": self.config.bulk_chunk_bytes}
+
+    async def _establish(self, ws: ServerConnection) -> Link | None:
+        peer_addr = _format_address(ws.remote_address)
+        admission = _Admission()
+        hs = ServerHandshake(self.secret, self.role, self.node_id, self.accept_roles,
+                             at_capacity=self._at_capacity,
+                             accept_extra=lambda session: self._on_accept(session, admission),
+                             max_record_bytes=self.config.max_record_bytes)
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                return await self._handshake(ws, hs, admission)
+        except ProtocolError as exc:
+            logger.warning("link %s: handshake with %s failed: %s", self.node_id, peer_addr,
+                           exc.message)
+            await ws.close(CLOSE_POLICY_VIOLATION, exc.code or "protocol_error")
+        except TimeoutError:
+            logger.warning("link %s: handshake with %s missed its %.1fs deadline; dropped",
+                           self.node_id, peer_addr, self.config.handshake_timeout_s)
+            await ws.close(CLOSE_POLICY_VIOLATION, "handshake_timeout")
+        except ConnectionClosed:
+            logger.info("link %s: %s went away during the handshake", self.node_id, peer_addr)
+        finally:
+            self._release(admission)
+        return None
+
+    def _release(self, admission: _Admission) -> None:
+        if admission.reserved:
+            self.reserved -= 1
+        if admission.bulk_token is not None:
+            self.bulk.forget(admission.bulk_token)
+        if admission.bulk_future is not None and not admission.bulk_future.done():
+            admission.bulk_future.cancel()  # a late bulk hello then finds it done and closes
+
+    async def _handshake(self, ws: ServerConnection, hs: ServerHandshake,
+                         admission: _Admission) -> Link | None:
+        await ws.send(hs.receive(await recv_handshake_message(ws)))
+        await ws.send(hs.receive(await recv_handshake_message(ws)))  # the VERDICT record
+        if hs.verdict.kind is not VerdictKind.ACCEPT:
+            self._log_refusal(hs, ws)
+            code = (CLOSE_TRY_AGAIN_LATER if hs.verdict.kind is VerdictKind.AT_CAPACITY
+                    else CLOSE_POLICY_VIOLATION)
+            await ws.close(code, hs.verdict.kind.value)
+            return None
+        bulk = None
+        if admission.bulk_future is not None:
+            sock = await admission.bulk_future
+            bulk = make_channel(sock, hs.session, self.config.bulk_chunk_bytes,
+                                self.config.bulk_io_timeout_s)
+        return Link(ws, hs.session, self.config, bulk, local_role=self.role,
+                    local_node_id=self.node_id)
+
+    def _log_refusal(self, hs: ServerHandshake, ws: ServerConnection) -> None:
+        peer = hs.peer
+        logger.warning("link %s: refused %s (%s %s): %s", self.node_id,
+                       _format_address(ws.remote_address), peer.role, peer.node_id,
+                       hs.verdict.kind.value)
+
+    # ---- running
+
+    async def _run(self, link: Link) -> None:
+        self.server.links.add(link)
+        try:
+            await self.on_link(link)
+        except Exception:
+            # The app's handler failed: log it with its traceback, close this link only.
+            logger.exception("link %s: handler for %s failed", self.node_id, link.peer_node_id)
+            await link.close(CLOSE_INTERNAL_ERROR, "handler failed", flush=False)
+        finally:
+            self.server.links.discard(link)
+            await link.close()
+
+
+async def serve_links(bind: str, secret: ClusterSecret | bytes, role: str, node_id: str,
+                      accept_roles: Collection[str], on_link: OnLink, *, max_links: int = 64,
+                      retry_after_s: float = 1.0, config: LinkConfig | None = None,
+                      bulk_bind: str | None = None) -> LinkServer:
+    """Listen on ``bind`` ("host:port", port 0 = any) and run ``on_link(link)`` per peer.
+
+    ``accept_roles``: client roles this node takes (a decode node: prefill, router).
+    The link closes when ``on_link`` returns. The bulk channel listens on
+    ``bulk_bind`` (default: same host, any port), announced inside the verdict.
+    """
+    config = config or LinkConfig()
+    host, port = parse_bind(bind)
+    bulk = None
+    if config.bulk:
+        bulk_host, bulk_port = parse_bind(bulk_bind) if bulk_bind else (host, 0)
+        bulk = BulkListener.bind(bulk_host, bulk_port, config.handshake_timeout_s)
+    server = LinkServer(host, port, bulk.port if bulk else None, _bulk=bulk)
+    acceptor = _Acceptor(secret, role, node_id, frozenset(accept_roles), on_link, max_links,
+                         retry_after_s, config, server, bulk)
+    ws_server = await serve(
+        acceptor.handle, host, port, compression=None, max_size=config.ws_max_size,
+        max_queue=config.ws_max_queue, open_timeout=config.handshake_timeout_s,
+        ping_interval=config.ping_interval_s, ping_timeout=config.ping_timeout_s,
+        close_timeout=config.close_timeout_s, server_header=None,
+    )
+    server._ws_server = ws_server
+    server.port = ws_server.sockets[0].getsockname()[1]
+    if bulk is not None:
+        bulk.start()
+    return server

@@ -1,0 +1,148 @@
+"""AES-256-GCM records: one direction of a link, sequence numbered, sans-I/O.
+
+Record = ciphertext ‖ 16-byte tag. The sequence number is never sent: nonce =
+4-byte IV prefix ‖ 64-bit big-endian sequence, AAD = direction label ‖ sequence,
+so a replayed, reordered, dropped or truncated record fails authentication just
+like a tampered one. Any failure poisons the receiver: the link must close.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from mlxcel_plugin.errors import ProtocolError
+
+TAG_BYTES = 16
+IV_PREFIX_BYTES = 4
+KEY_BYTES = 32
+DEFAULT_MAX_RECORD_BYTES = 8 * 1024 * 1024  # plaintext bound; bigger payloads are chunked
+_MAX_SEQ = 2**64 - 1
+_SEQ = struct.Struct(">Q")
+
+
+class RecordError(ProtocolError):
+    code = "bad_record"
+
+
+class RecordAuthError(RecordError):
+    """Tag check failed: tampered, replayed, reordered, dropped or wrong key."""
+
+    code = "record_auth_failed"
+
+
+class RecordTooLarge(RecordError):
+    code = "record_too_large"
+
+
+class RecordTruncated(RecordError):
+    code = "record_truncated"
+
+
+class RecordStateError(RecordError):
+    """Used after a failure, or the sequence space ran out."""
+
+    code = "record_state"
+
+
+def _check_key(key: bytes, iv_prefix: bytes) -> None:
+    if len(key) != KEY_BYTES or len(iv_prefix) != IV_PREFIX_BYTES:
+        raise ValueError("record key must be 32 bytes and IV prefix 4 bytes")
+
+
+class _Direction:
+    """Shared state of one direction: cipher, nonce layout, sequence."""
+
+    def __init__(self, key: bytes, iv_prefix: bytes, label: bytes,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
+        _check_key(key, iv_prefix)
+        self._aead = AESGCM(key)
+        self._iv_prefix = bytes(iv_prefix)
+        self._label = bytes(label)
+        self.max_record_bytes = max_record_bytes
+        self.seq = 0
+        self._broken = False
+
+    def _next_nonce_aad(self) -> tuple[bytes, bytes]:
+        if self._broken:
+            raise RecordStateError("record stream is closed after an earlier failure")
+        if self.seq >= _MAX_SEQ:
+            self._broken = True
+            raise RecordStateError("record sequence exhausted; reconnect")
+        packed = _SEQ.pack(self.seq)
+        return self._iv_prefix + packed, self._label + packed
+
+
+class RecordSender(_Direction):
+    """Seals plaintexts into records, reusing one output buffer (no per-call allocation)."""
+
+    def __init__(self, key: bytes, iv_prefix: bytes, label: bytes,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
+        super().__init__(key, iv_prefix, label, max_record_bytes)
+        self._out = bytearray(0)
+
+    def sealed_size(self, plaintext_len: int) -> int:
+        return plaintext_len + TAG_BYTES
+
+    def seal_into(self, plaintext: bytes | bytearray | memoryview,
+                  out: bytearray | memoryview) -> int:
+        """Seal into ``out`` (at least len(plaintext)+16 bytes); returns bytes written."""
+        n = len(plaintext)
+        if n > self.max_record_bytes:
+            raise RecordTooLarge(f"record of {n} bytes exceeds bound {self.max_record_bytes}")
+        nonce, aad = self._next_nonce_aad()
+        target = memoryview(out)[: n + TAG_BYTES]
+        self._aead.encrypt_into(nonce, plaintext, aad, target)
+        self.seq += 1
+        return n + TAG_BYTES
+
+    def seal(self, plaintext: bytes | bytearray | memoryview) -> memoryview:
+        """Seal into the sender's own buffer; the view is valid until the next ``seal``."""
+        need = len(plaintext) + TAG_BYTES
+        if len(self._out) < need and len(plaintext) <= self.max_record_bytes:
+            self._out = bytearray(need)  # grows to the largest record seen, then stays
+        written = self.seal_into(plaintext, self._out)
+        return memoryview(self._out)[:written]
+
+
+class RecordReceiver(_Direction):
+    """Opens records in order; the first bad one poisons the stream."""
+
+    def opened_size(self, record_len: int) -> int:
+        return record_len - TAG_BYTES
+
+    def _check_size(self, record_len: int) -> None:
+        if record_len < TAG_BYTES:
+            self._broken = True
+            raise RecordTruncated(f"record of {record_len} bytes is shorter than its tag")
+        if record_len - TAG_BYTES > self.max_record_bytes:
+            self._broken = True
+            raise RecordTooLarge(
+                f"record of {record_len - TAG_BYTES} bytes exceeds bound {self.max_record_bytes}"
+            )
+
+    def open_into(self, record: bytes | bytearray | memoryview,
+                  out: bytearray | memoryview) -> int:
+        """Open into ``out`` (at least len(record)-16 bytes); returns bytes written."""
+        n = len(record)
+        self._check_size(n)
+        nonce, aad = self._next_nonce_aad()
+        try:
+            self._aead.decrypt_into(nonce, record, aad, memoryview(out)[: n - TAG_BYTES])
+        except InvalidTag:
+            self._broken = True
+            raise RecordAuthError(
+                f"record {self.seq} failed authentication "
+                "(tampered, replayed, reordered, dropped or wrong key)"
+            ) from None
+        self.seq += 1
+        return n - TAG_BYTES
+
+    def open(self, record: bytes | bytearray | memoryview) -> bytearray:
+        """Open into a fresh buffer the caller keeps (frames hold views into it)."""
+        self._check_size(len(record))
+        out = bytearray(len(record) - TAG_BYTES)
+        self.open_into(record, out)
+        return out

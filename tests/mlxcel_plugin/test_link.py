@@ -1,0 +1,263 @@
+"""Link tests over real sockets on 127.0.0.1 (one process, and two processes)."""
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from mlxcel_plugin.frames import Frame, FrameType, Ping, Request, Result
+from mlxcel_plugin.handshake import BadMac, ClientHandshake, PeerAtCapacity, RoleRefused
+from mlxcel_plugin.link import LinkClosed, LinkConfig
+from mlxcel_plugin.link_dial import Backoff, dial_link, dial_with_backoff
+from mlxcel_plugin.link_server import serve_links
+
+SECRET = bytes(range(32))
+WRONG = bytes(range(100, 132))
+MIB = 1024 * 1024
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def echo(link):
+    async for frame in link:
+        await link.send(frame)
+
+
+async def serve(on_link=echo, **kw):
+    kw.setdefault("accept_roles", {"prefill", "router"})
+    return await serve_links("127.0.0.1:0", SECRET, "decode", "d1", on_link=on_link, **kw)
+
+
+def test_echo_small_frames_and_ping():
+    async def main():
+        async with await serve() as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            assert (link.peer_role, link.peer_node_id, link.has_bulk) == ("decode", "d1", True)
+            request = Request("r1", list(range(1000)), {"temperature": 0.0}, 8, [2], None)
+            await link.send(request.to_frame())
+            assert Request.from_frame(await link.recv()) == request
+            await link.send(Ping(9, 1.0).to_frame())
+            pong = await link.recv()
+            assert pong.type is FrameType.PONG and Ping.from_frame(pong).nonce == 9
+            await link.close()
+            with pytest.raises(LinkClosed):
+                await link.send(Result("r1", 0).to_frame())
+
+    run(main())
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "websocket-parts"])
+def test_large_bodies_arrive_intact_and_in_order(bulk):
+    async def main():
+        config = LinkConfig(bulk=bulk, max_record_bytes=2 * MIB)
+        async with await serve(config=config) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1", config=config)
+            assert link.has_bulk is bulk
+            bodies = [os.urandom(n) for n in (5 * MIB + 3, 10, 300_000, 2 * MIB)]
+            for i, body in enumerate(bodies):
+                await link.send(Frame(FrameType.KV_CHUNK, {"i": i}, body))
+            for i, body in enumerate(bodies):
+                frame = await link.recv()
+                assert frame.header == {"i": i} and bytes(frame.body) == body
+            await link.close()
+
+    run(main())
+
+
+def test_wrong_secret_is_refused_and_logged_without_the_secret(caplog):
+    async def main():
+        async with await serve() as server:
+            with pytest.raises(BadMac):
+                await dial_link(server.address, WRONG, "prefill", "p1")
+
+    with caplog.at_level(logging.WARNING, logger="mlxcel_plugin.link"):
+        run(main())
+    text = caplog.text
+    assert "p1" in text and "127.0.0.1" in text
+    assert SECRET.hex() not in text and WRONG.hex() not in text
+
+
+def test_wrong_role_is_refused():
+    async def main():
+        async with await serve(accept_roles={"prefill"}) as server:
+            with pytest.raises(RoleRefused):
+                await dial_link(server.address, SECRET, "router", "r1")
+
+    run(main())
+
+
+def test_connection_limit_gives_at_capacity_with_retry_after():
+    async def main():
+        async with await serve(max_links=1, retry_after_s=0.05) as server:
+            first = await dial_link(server.address, SECRET, "prefill", "p1")
+            with pytest.raises(PeerAtCapacity) as info:
+                await dial_link(server.address, SECRET, "prefill", "p2")
+            assert info.value.retry_after_s == 0.05
+            await first.close()
+            # Backoff honours retry-after, then gets in once the slot is free.
+            slept = []
+
+            async def sleep(s):
+                slept.append(s)
+                await asyncio.sleep(s)
+
+            second = await dial_with_backoff(server.address, SECRET, "prefill", "p2",
+                                             backoff=Backoff(initial_s=0.01), sleep=sleep)
+            assert second.peer_node_id == "d1"
+            await second.close()
+
+    run(main())
+
+
+def test_stalled_handshake_is_dropped_at_the_deadline():
+    async def main():
+        config = LinkConfig(handshake_timeout_s=0.3)
+        async with await serve(config=config) as server:
+            ws = await connect(f"ws://{server.address}/link", compression=None, proxy=None)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(ConnectionClosed) as info:
+                await ws.recv()  # we never send HELLO
+            assert loop.time() - start < 2.0
+            assert info.value.rcvd.code == 1008
+
+    run(main())
+
+
+def test_tampered_record_closes_with_policy_violation(caplog):
+    async def main():
+        async with await serve(config=LinkConfig(bulk=False)) as server:
+            ws = await connect(f"ws://{server.address}/link", compression=None, proxy=None)
+            hs = ClientHandshake(SECRET, "prefill", "mallory")
+            await ws.send(hs.start())
+            await ws.send(hs.receive(await ws.recv()))
+            hs.receive(await ws.recv())
+            record = bytearray(hs.session.sender.seal(b"\x00" + b"x" * 20))
+            record[3] ^= 0x40
+            await ws.send(bytes(record))
+            with pytest.raises(ConnectionClosed) as info:
+                await ws.recv()
+            assert info.value.rcvd.code == 1008
+
+    with caplog.at_level(logging.WARNING, logger="mlxcel_plugin.link"):
+        run(main())
+    assert "mallory" in caplog.text and "127.0.0.1" in caplog.text
+
+
+def test_send_waits_when_the_peer_does_not_read():
+    async def main():
+        never = asyncio.Event()
+
+        async def sleepy(link):
+            await never.wait()
+
+        config = LinkConfig(bulk=False, send_queue_bytes=MIB, ws_max_queue=1, close_timeout_s=0.2)
+        async with await serve(on_link=sleepy, config=config) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1", config=config)
+            body = bytes(512 * 1024)
+            sent = 0
+
+            async def flood():
+                nonlocal sent
+                for _ in range(400):  # 200 MiB if nothing pushed back
+                    await link.send(Frame(FrameType.KV_CHUNK, {}, body))
+                    sent += 1
+
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(flood(), 1.0)
+            assert sent < 100  # bounded by the queue + socket buffers, not by the producer
+            never.set()
+            await link.close()
+
+    run(main())
+
+
+def test_two_processes_echo_over_real_sockets():
+    script = Path(__file__).with_name("link_echo_server.py")
+    proc = subprocess.Popen([sys.executable, str(script), SECRET.hex()], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+
+        async def main():
+            link = await dial_link(f"127.0.0.1:{port}", SECRET, "router", "r1",
+                                   expect_roles={"decode"})
+            body = os.urandom(3 * MIB)
+            await link.send(Frame(FrameType.KV_CHUNK, {"n": 1}, body))
+            await link.send(Result("r", 1, [5, 6], "stop", 2).to_frame())
+            assert bytes((await link.recv()).body) == body
+            assert Result.from_frame(await link.recv()).token_ids == [5, 6]
+            await link.close()
+
+        run(main())
+    finally:
+        proc.stdin.close()  # the server exits at EOF on stdin
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+def test_frames_sent_just_before_the_handler_returns_are_delivered():
+    async def say_bye(link):
+        await link.send(Result("r", 0, [1], "stop", 1).to_frame())
+        await link.send(Frame(FrameType.KV_CHUNK, {}, bytes(MIB)))  # bulk path too
+
+    async def main():
+        async with await serve(on_link=say_bye) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            assert Result.from_frame(await link.recv()).finish_reason == "stop"
+            assert len((await link.recv()).body) == MIB
+            with pytest.raises(LinkClosed):
+                await link.recv()
+
+    run(main())
+
+
+def test_numpy_like_buffers_are_sent_as_raw_bytes():
+    import array
+
+    async def main():
+        async with await serve() as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            values = array.array("f", [1.5] * 100_000)  # 400 kB, a multi-byte item format
+            await link.send(Frame(FrameType.KV_CHUNK, {}, values))
+            assert bytes((await link.recv()).body) == values.tobytes()
+            await link.close()
+
+    run(main())
+
+
+def test_concurrent_dials_never_overshoot_the_link_limit():
+    async def main():
+        async with await serve(max_links=2) as server:
+            results = await asyncio.gather(
+                *(dial_link(server.address, SECRET, "prefill", f"p{i}") for i in range(5)),
+                return_exceptions=True)
+            links = [r for r in results if not isinstance(r, BaseException)]
+            refused = [r for r in results if isinstance(r, PeerAtCapacity)]
+            assert (len(links), len(refused)) == (2, 3)
+            for link in links:
+                await link.close()
+
+    run(main())
+
+
+def test_bulk_port_refuses_an_unknown_token(caplog):
+    async def main():
+        async with await serve() as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.bulk_port)
+            writer.write(b"MLXB" + bytes(16) + bytes(32))
+            assert await asyncio.wait_for(reader.read(100), 5) == b""  # closed, nothing said
+            writer.close()
+
+    with caplog.at_level(logging.WARNING, logger="mlxcel_plugin.link"):
+        run(main())
+    assert "unknown or already used bulk token" in caplog.text
