@@ -123,7 +123,8 @@ def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> An
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        known_list = ", ".join(sorted(known))
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {known_list}")
     return cls(**{k: _coerce(f"{where}.{k}", hints[k], v) for k, v in data.items()})
 
 

@@ -7,7 +7,6 @@ preload OpenBLAS before the process starts, so the CLI re-executes itself.
 from __future__ import annotations
 
 import glob
-import os
 import sys
 from collections.abc import Mapping
 
