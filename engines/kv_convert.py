@@ -1,0 +1,126 @@
+"""mlx-lm per-sequence caches <-> ``CacheLayer`` (numpy, sliced to the live tokens).
+
+Only ``KVCache`` and ``RotatingKVCache`` can travel; any other cache class
+(``ArraysCache``, ``QuantizedKVCache``, ...) is refused with ``HandoffError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlxcel_plugin.engine_api import CacheLayer, CacheState
+from mlxcel_plugin.errors import HandoffError
+
+SUPPORTED_KINDS = ("KVCache", "RotatingKVCache")
+
+# numpy has no bfloat16: it travels as the raw uint16 bit pattern.
+_VIEW_AS = {mx.bfloat16: mx.uint16}
+_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def check_cache_kinds(caches: list[Any]) -> None:
+    """Raise ``HandoffError`` unless every layer's cache can be exported."""
+    for i, cache in enumerate(caches):
+        kind = type(cache).__name__
+        if kind not in SUPPORTED_KINDS:
+            raise HandoffError(
+                f"layer {i}: cache class {kind} cannot be handed off "
+                f"(supported: {', '.join(SUPPORTED_KINDS)})"
+            )
+
+
+def _to_numpy(x: mx.array) -> np.ndarray:
+    view = _VIEW_AS.get(x.dtype)
+    return np.array(x.view(view) if view is not None else x)
+
+
+def live_keys_values(cache: Any) -> tuple[mx.array, mx.array]:
+    """The cached K/V without the unused tail of the buffer (temporal order for rotating)."""
+    if isinstance(cache, RotatingKVCache):
+        return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+
+
+def to_cache_layer(cache: Any) -> CacheLayer:
+    """Copy one evaluated per-sequence cache to numpy."""
+    check_cache_kinds([cache])
+    keys, values = live_keys_values(cache)
+    meta: dict[str, Any] = {}
+    if isinstance(cache, RotatingKVCache):
+        meta = {"max_size": cache.max_size, "keep": cache.keep, "idx": keys.shape[2]}
+    return CacheLayer(
+        kind=type(cache).__name__,
+        keys=_to_numpy(keys),
+        values=_to_numpy(values),
+        dtype=dtype_name(keys.dtype),
+        offset=int(cache.offset),
+        meta=meta,
+    )
+
+
+def _to_mlx(x: np.ndarray, dtype: str) -> mx.array:
+    if dtype not in _MX_DTYPES:
+        raise HandoffError(f"unsupported KV dtype {dtype!r}")
+    arr = mx.array(x)
+    target = _MX_DTYPES[dtype]
+    return arr.view(target) if target in _VIEW_AS else arr.astype(target)
+
+
+def from_cache_layer(layer: CacheLayer) -> KVCache | RotatingKVCache:
+    """Rebuild the mlx-lm cache a ``CacheLayer`` was exported from."""
+    keys, values = _to_mlx(layer.keys, layer.dtype), _to_mlx(layer.values, layer.dtype)
+    if layer.kind == "KVCache":
+        cache = KVCache()
+    elif layer.kind == "RotatingKVCache":
+        cache = RotatingKVCache(max_size=int(layer.meta["max_size"]), keep=int(layer.meta["keep"]))
+        cache._idx = int(layer.meta.get("idx", keys.shape[2]))
+    else:
+        raise HandoffError(
+            f"cache kind {layer.kind!r} cannot be decoded (supported: {', '.join(SUPPORTED_KINDS)})"
+        )
+    cache.keys, cache.values, cache.offset = keys, values, int(layer.offset)
+    return cache
+
+
+def to_cache_state(caches: list[Any]) -> CacheState:
+    return CacheState(layers=[to_cache_layer(c) for c in caches])
+
+
+def from_cache_state(state: CacheState) -> list[KVCache | RotatingKVCache]:
+    return [from_cache_layer(layer) for layer in state.layers]
+
+
+def check_cache_state(state: CacheState, fingerprint: dict[str, Any], prompt_len: int) -> None:
+    """Refuse a handed-off cache that this model cannot decode from (before allocating)."""
+    kinds = fingerprint["cache_classes"]
+    if len(state.layers) != len(kinds):
+        raise HandoffError(f"cache has {len(state.layers)} layers, model has {len(kinds)}")
+    for i, (layer, kind) in enumerate(zip(state.layers, kinds, strict=True)):
+        if layer.kind != kind:
+            raise HandoffError(f"layer {i}: cache kind {layer.kind!r}, model uses {kind!r}")
+        if layer.dtype != fingerprint["dtype"]:
+            want = fingerprint["dtype"]
+            raise HandoffError(f"layer {i}: KV dtype {layer.dtype}, model uses {want}")
+        _check_layer_shape(i, layer, fingerprint, prompt_len)
+
+
+def _check_layer_shape(
+    i: int, layer: CacheLayer, fingerprint: dict[str, Any], prompt_len: int
+) -> None:
+    want = (1, fingerprint["kv_heads"], fingerprint["head_dim"])
+    for name, arr in (("keys", layer.keys), ("values", layer.values)):
+        if arr.ndim != 4 or (arr.shape[0], arr.shape[1], arr.shape[3]) != want:
+            raise HandoffError(f"layer {i}: {name} shape {arr.shape} does not fit {want}")
+    if layer.offset != prompt_len:
+        raise HandoffError(f"layer {i}: cache holds {layer.offset} tokens, prompt has {prompt_len}")
+    if layer.kind == "KVCache" and layer.keys.shape[2] != layer.offset:
+        stored = layer.keys.shape[2]
+        raise HandoffError(f"layer {i}: {stored} cached positions for offset {layer.offset}")

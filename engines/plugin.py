@@ -1,0 +1,18 @@
+"""Registers the MLX engine with the plugin manager (entry point ``mlx_engines``)."""
+
+from __future__ import annotations
+
+from mlxcel_plugin.engine_api import EngineConfig
+from mlxcel_plugin.hookspecs import Register, hookimpl
+
+
+def make_mlx_engine(model_path: str, config: EngineConfig):  # -> engines.mlx_engine.MlxEngine
+    """Load ``model_path`` (an mlx-lm checkpoint) into an engine; MLX is imported only here."""
+    from engines.mlx_engine import MlxEngine
+
+    return MlxEngine.from_path(model_path, config)
+
+
+@hookimpl
+def mlxcel_register_engines(register: Register) -> None:
+    register("mlx", make_mlx_engine)

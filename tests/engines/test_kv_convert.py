@@ -1,0 +1,91 @@
+"""Per-sequence mlx-lm caches <-> numpy CacheLayer: lossless, and refused when unsupported."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from engines import kv_convert
+from engines.decode_batch import DecodeBatch, Sequence
+from engines.model_loader import load_mlx_model
+from engines.prefill import run_prefill
+from mlxcel_plugin.engine_api import CacheLayer, CacheState
+from mlxcel_plugin.errors import HandoffError
+
+
+def filled_kv_cache(dtype: mx.Dtype, tokens: int = 300) -> KVCache:
+    cache = KVCache()
+    k = mx.random.normal((1, 2, tokens, 16), key=mx.random.key(0)).astype(dtype)
+    v = mx.random.normal((1, 2, tokens, 16), key=mx.random.key(1)).astype(dtype)
+    cache.update_and_fetch(k, v)
+    mx.eval(cache.state)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_kv_cache_roundtrip_is_exact_and_sliced(dtype):
+    cache = filled_kv_cache(dtype)
+    layer = kv_convert.to_cache_layer(cache)
+    assert layer.keys.shape == (1, 2, 300, 16)  # the 512-slot buffer is sliced to the offset
+    assert layer.dtype == kv_convert.dtype_name(dtype)
+    if dtype == mx.bfloat16:
+        assert layer.keys.dtype == np.uint16
+    rebuilt = kv_convert.from_cache_layer(layer)
+    assert rebuilt.offset == 300 and rebuilt.keys.dtype == dtype
+    assert mx.array_equal(rebuilt.keys, cache.keys[..., :300, :]).item()
+    assert mx.array_equal(rebuilt.values, cache.values[..., :300, :]).item()
+
+
+@pytest.mark.parametrize("cache", [ArraysCache(2), QuantizedKVCache()], ids=type)
+def test_unsupported_cache_classes_are_refused(cache):
+    with pytest.raises(HandoffError, match=type(cache).__name__):
+        kv_convert.to_cache_layer(cache)
+
+
+def test_unknown_kind_cannot_be_rebuilt():
+    layer = kv_convert.to_cache_layer(filled_kv_cache(mx.float32, 4))
+    layer.kind = "ChunkedKVCache"
+    with pytest.raises(HandoffError, match="ChunkedKVCache"):
+        kv_convert.from_cache_layer(layer)
+
+
+def test_check_cache_state_refuses_mismatches():
+    layer = kv_convert.to_cache_layer(filled_kv_cache(mx.float32, 8))
+    fingerprint = {"cache_classes": ["KVCache"], "dtype": "float32", "kv_heads": 2, "head_dim": 16}
+    kv_convert.check_cache_state(CacheState([layer]), fingerprint, prompt_len=8)
+    with pytest.raises(HandoffError, match="layers"):
+        kv_convert.check_cache_state(CacheState([layer, layer]), fingerprint, prompt_len=8)
+    with pytest.raises(HandoffError, match="prompt"):
+        kv_convert.check_cache_state(CacheState([layer]), fingerprint, prompt_len=9)
+    with pytest.raises(HandoffError, match="dtype"):
+        kv_convert.check_cache_state(CacheState([layer]), {**fingerprint, "dtype": "bfloat16"}, 8)
+    with pytest.raises(HandoffError, match="shape"):
+        kv_convert.check_cache_state(CacheState([layer]), {**fingerprint, "head_dim": 8}, 8)
+    rotating = CacheLayer("RotatingKVCache", layer.keys, layer.values, "float32", 8)
+    with pytest.raises(HandoffError, match="kind"):
+        kv_convert.check_cache_state(CacheState([rotating]), fingerprint, prompt_len=8)
+
+
+def _greedy(model, caches: list, first: int, steps: int) -> list[int]:
+    batch = DecodeBatch(model)
+    batch.add([Sequence(None, None, None, last_token=first, num_generated=1)], [caches])
+    tokens = []
+    for _ in range(steps):
+        token = int(np.argmax(batch.step()[0]))
+        batch.sequences[0].last_token = token
+        tokens.append(token)
+    return tokens
+
+
+def test_rotating_cache_handoff_decodes_like_the_original(tiny_model_path):
+    model, _ = load_mlx_model(tiny_model_path)
+    prompt = list(range(100, 400))  # longer than the window: the buffer has rotated
+    caches = [RotatingKVCache(max_size=128, keep=4) for _ in model.layers]
+    logits = run_prefill(model, prompt, caches, chunk_size_tokens=96)
+    first = int(np.argmax(np.array(logits)))
+    layers = [kv_convert.to_cache_layer(c) for c in caches]
+    assert layers[0].kind == "RotatingKVCache" and layers[0].meta["max_size"] == 128
+    rebuilt = kv_convert.from_cache_state(CacheState(layers))
+    assert _greedy(model, rebuilt, first, 24) == _greedy(model, caches, first, 24)

@@ -1,0 +1,30 @@
+"""The real embedded SmolLM2-135M-Instruct through the engine and its chat template."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.mlx_engine import MlxEngine
+from mlxcel_plugin.engine_api import FINISH_STOP, EngineConfig, GenerationRequest
+from tests.engines import support
+
+
+@pytest.mark.smollm2
+def test_capital_of_france_is_paris(smollm2_model_path):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_model_path))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text)
+    engine = MlxEngine.from_path(str(smollm2_model_path), EngineConfig(warmup=False))
+    engine.start()
+    try:
+        req = GenerationRequest("paris", tuple(ids), max_tokens=48)
+        events = support.generate(engine, req)
+        split = support.split(engine, req)
+    finally:
+        engine.close()
+    answer = tok.decode(events.tokens, skip_special_tokens=True)
+    assert "Paris" in answer
+    assert events.last.finish_reason == FINISH_STOP
+    assert split == events.tokens
