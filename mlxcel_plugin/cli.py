@@ -62,7 +62,7 @@ def resolve_default_model() -> str:
     Conversion needs MLX, so it runs in a child process: the router (and this
     module) never import MLX.
     """
-    target = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    target = cache_dir() / DEFAULT_MODEL_DIRNAME
     if (target / "config.json").is_file():
         return str(target)
     done = subprocess.run(

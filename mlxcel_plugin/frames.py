@@ -189,7 +189,11 @@ def unpack_token_ids(body: Body, max_tokens: int = MAX_PROMPT_TOKENS) -> list[in
 
 @dataclass(frozen=True)
 class Request:
-    """Router → prefill: one generation request, in token ids."""
+    """Router → prefill: one generation request, in token ids.
+
+    Router → decode: the same frame with ``claim=True`` and an empty prompt
+    registers the lease — that router link owns the request and gets its tokens.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -198,6 +202,7 @@ class Request:
     stop_token_ids: list[int] = field(default_factory=list)
     decode_target: str | None = None  # host:port chosen by the router
     deadline_unix_s: float | None = None  # wall clock, None = no deadline
+    claim: bool = False  # a decode lease, not work to run; the prompt may be empty
 
     TYPE: ClassVar[FrameType] = FrameType.REQUEST
 
@@ -208,6 +213,9 @@ class Request:
         header = {"request_id": self.request_id, "sampling": self.sampling,
                   "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids),
                   "decode_target": self.decode_target, "deadline_unix_s": self.deadline_unix_s}
+        if self.claim:
+            # Only when set: a plain request keeps its golden bytes.
+            header["claim"] = True
         return Frame(self.TYPE, header, pack_token_ids(self.prompt_token_ids))
 
     @classmethod
@@ -222,6 +230,7 @@ class Request:
             stop_token_ids=_int_list(h, "stop_token_ids"),
             decode_target=_get(h, "decode_target", str),
             deadline_unix_s=_float_or_none(h, "deadline_unix_s"),
+            claim=_get(h, "claim", bool, False),
         )
 
 

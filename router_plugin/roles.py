@@ -1,10 +1,11 @@
-"""The ``hybrid`` role: one node, the HTTP front over a local engine."""
+"""The HTTP roles: ``hybrid`` (the front over a local engine) and ``router`` (over the cluster)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -12,19 +13,29 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from mlxcel_plugin.config import dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine
 from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.plugins import PluginRegistry
+from mlxcel_plugin.secret import require_cluster_secret
+from mlxcel_plugin.stream_bridge import DECODE, PREFILL
 from mlxcel_plugin.text import TextTokenizer
+from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
+from router_plugin.balancers import Balancer
+from router_plugin.cluster_backend import ClusterBackend, RouterConfig
 from router_plugin.front import make_app
+from router_plugin.health import HealthConfig, HealthMonitor
+from router_plugin.node_pool import NodePool
+from router_plugin.peer_links import PeerLinks, make_dialer
+from router_plugin.stats import RouterCollector, RouterStats, make_stats_route
 
 logger = logging.getLogger(__name__)
 
 
 def _model_dir(config: Any) -> str:
     if not config.model:
-        raise ConfigError("the hybrid role needs a resolved --model checkpoint directory")
+        raise ConfigError(f"the {config.role} role needs a resolved --model checkpoint directory")
     return str(config.model)
 
 
@@ -64,6 +75,80 @@ def run_hybrid(config: Any, registry: PluginRegistry) -> None:
     app = make_hybrid_app(config, registry)
     logger.info("hybrid node serving %s on http://%s:%s", served_model_name(config),
                 config.host, config.port)  # fmt: skip
+    _serve(app, config)
+
+
+# -- router ---------------------------------------------------------------------
+
+
+def _balancers(config: Any, registry: PluginRegistry, seed: int) -> dict[str, Balancer]:
+    # Different seeds: the two pools should not break ties in lockstep.
+    return {
+        PREFILL: registry.get("balancer", config.prefill_balancer)(seed),
+        DECODE: registry.get("balancer", config.decode_balancer)(seed + 1),
+    }
+
+
+def make_cluster_backend(config: Any, registry: PluginRegistry,
+                         env: Mapping[str, str]) -> ClusterBackend:
+    """Peers, health monitor, balancers and admission from the config (nothing started)."""
+    secret = require_cluster_secret("router", config.cluster_secret_file, env)
+    router_config = RouterConfig.from_section(config.section("router"))
+    backpressure = dataclass_from_mapping(
+        BackpressureConfig, config.section("backpressure"), "[backpressure]"
+    )
+    pool = NodePool.from_peers(config.prefill_peers, config.decode_peers)
+    peers = PeerLinks(pool, make_dialer(secret, config.effective_node_id))
+    health = HealthMonitor(peers, HealthConfig.from_section(config.section("health")))
+    return ClusterBackend(
+        peers, health, _balancers(config, registry, router_config.seed),
+        AdmissionController(backpressure), RouterStats(), config=router_config,
+    )  # fmt: skip
+
+
+def _cluster_lifespan(backend: ClusterBackend) -> Any:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        backend.peers.start()
+        backend.health.start()
+        try:
+            yield
+        finally:
+            await backend.health.close()
+            await backend.peers.close()
+
+    return lifespan
+
+
+def make_router_app(config: Any, registry: PluginRegistry,
+                    env: Mapping[str, str] | None = None) -> FastAPI:
+    """The router app: tokenizer and chat template only, tokens from the cluster."""
+    env = os.environ if env is None else env
+    backend = make_cluster_backend(config, registry, env)
+    tokenizer = TextTokenizer.from_dir(_model_dir(config))
+    app = make_app(backend, tokenizer, served_model_name(config),
+                   lifespan=_cluster_lifespan(backend))
+    queue_depth = backend.admission.__len__
+    names = {role: balancer.name for role, balancer in backend.balancers.items()}
+    route = make_stats_route(backend.stats, backend.pool, queue_depth, names, env=env)
+    app.add_api_route("/router/stats", route, methods=["GET"])
+    app.state.front.metrics.registry.register(
+        RouterCollector(backend.stats, backend.pool, queue_depth)
+    )
+    app.state.backend = backend
+    return app
+
+
+def run_router(config: Any, registry: PluginRegistry) -> None:
+    """Serve until interrupted (``mlxcel_register_roles`` entry for ``router``)."""
+    app = make_router_app(config, registry)
+    logger.info("router serving %s on http://%s:%s (%d prefill, %d decode peers)",
+                served_model_name(config), config.host, config.port,
+                len(config.prefill_peers), len(config.decode_peers))  # fmt: skip
+    _serve(app, config)
+
+
+def _serve(app: FastAPI, config: Any) -> None:
     uvicorn.run(
         app,
         host=config.host,

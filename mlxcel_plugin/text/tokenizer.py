@@ -7,6 +7,7 @@ template, tokenize and detokenize without model weights.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,9 @@ class TextTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextTokenizer:
-        # Imported here so importing the text package stays cheap.
+        # Imported here so importing the text package stays cheap. The router has
+        # no PyTorch on purpose: silence transformers' advisory about it.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer
 
         path = Path(path)

@@ -44,12 +44,21 @@ def test_golden_request_body_is_uint32_little_endian():
     assert frame.body == b"\x01\x00\x00\x00\x00\x01\x00\x00"
 
 
+def test_claim_travels_only_when_set():
+    assert "claim" not in Request("r", [1]).to_frame().header
+    frame = Request("r", [], claim=True).to_frame()
+    assert frame.header["claim"] is True and frame.body == b""
+    with pytest.raises(MalformedFrame):
+        Request.from_frame(Frame(FrameType.REQUEST, {"request_id": "r", "claim": 1}))
+
+
 def round_trip(obj):
     return parse_typed(decode_frame(encode_frame(obj.to_frame())))
 
 
 @pytest.mark.parametrize("obj", [
     Request("r1", [1, 2, 3], {"temperature": 0.7, "seed": 5}, 16, [2], "10.0.0.2:9000", 1e9),
+    Request("r1", [], {"seed": 5}, 16, [2], claim=True),
     Result("r1", 3, [7, 8], "stop", 12, None),
     Cancel("r1", "client went away"),
     Telemetry("d1", "decode", 3, 10, 0.5, 123.4),
