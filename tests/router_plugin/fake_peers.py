@@ -1,0 +1,217 @@
+"""In-process prefill and decode nodes that speak the real link protocol to a router.
+
+They follow docs/cluster-flow.md on the router's links (CLAIM on decode,
+REQUEST with ``decode_target`` on prefill, RESULT seq 0 from prefill, 1, 2, ...
+from decode, CANCEL, TELEMETRY, ERROR); the KV handoff itself is a direct
+method call between the two fakes (it is not the router's business). Tokens
+come from a script: ``script(prompt_token_ids) -> completion token ids``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from mlxcel_plugin.frames import (
+    Cancel,
+    ErrorFrame,
+    FrameType,
+    Request,
+    Result,
+    Telemetry,
+)
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.link_server import LinkServer, serve_links
+
+SECRET = bytes(range(32))
+EOS = 2
+Script = Callable[[Sequence[int]], list[int]]
+
+
+def echo_script(prompt: Sequence[int]) -> list[int]:
+    """Five tokens derived from the prompt, then EOS."""
+    base = sum(prompt) % 500 + 10
+    return [base + i for i in range(5)] + [EOS]
+
+
+@dataclass
+class _Claim:
+    link: Link
+    request: Request
+
+
+@dataclass
+class FakeNode:
+    """Common part: a link listener, its router links, telemetry, and what it received."""
+
+    role: str
+    node_id: str
+    bind: str = "127.0.0.1:0"
+    telemetry_interval_s: float = 0.2
+    server: LinkServer | None = None
+    received: list[object] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    links: set[Link] = field(default_factory=set)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> FakeNode:
+        self.server = await serve_links(self.bind, SECRET, self.role, self.node_id,
+                                        {"router"}, self._on_link)
+        self.bind = self.server.address  # a restart comes back on the same port
+        return self
+
+    async def stop(self) -> None:
+        """Like a killed process: every link drops, the port stops answering."""
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+
+    async def _on_link(self, link: Link) -> None:
+        self.links.add(link)
+        ticker = asyncio.create_task(self._telemetry(link))
+        try:
+            async for frame in link:
+                self.received.append(frame)
+                await self.on_frame(link, frame)
+        finally:
+            ticker.cancel()
+            self.links.discard(link)
+            self.on_link_closed(link)
+
+    async def _telemetry(self, link: Link) -> None:
+        while not link.closed:  # ends with the link
+            report = Telemetry(self.node_id, self.role, active_sequences=self.active())
+            await link.send(report.to_frame())
+            await asyncio.sleep(self.telemetry_interval_s)
+
+    def active(self) -> int:
+        return 0
+
+    async def on_frame(self, link: Link, frame) -> None:
+        raise NotImplementedError
+
+    def on_link_closed(self, link: Link) -> None:
+        return None
+
+
+@dataclass
+class FakeDecode(FakeNode):
+    role: str = "decode"
+    node_id: str = "fake-decode"
+    token_delay_s: float = 0.0
+    claims: dict[str, _Claim] = field(default_factory=dict)
+    claimed: list[str] = field(default_factory=list)
+    streams: dict[str, asyncio.Task] = field(default_factory=dict)
+
+    def active(self) -> int:
+        return len(self.claims)
+
+    async def on_frame(self, link: Link, frame) -> None:
+        if frame.type is FrameType.REQUEST:
+            request = Request.from_frame(frame)
+            if not request.claim:
+                await link.send(ErrorFrame("bad_request", "decode takes claims only",
+                                           request.request_id).to_frame())
+                return
+            self.claims[request.request_id] = _Claim(link, request)
+            self.claimed.append(request.request_id)
+        elif frame.type is FrameType.CANCEL:
+            request_id = Cancel.from_frame(frame).request_id
+            self.cancelled.append(request_id)
+            self.claims.pop(request_id, None)
+            task = self.streams.pop(request_id, None)
+            if task is not None:
+                task.cancel()
+
+    def on_link_closed(self, link: Link) -> None:
+        for request_id, claim in list(self.claims.items()):
+            if claim.link is link:
+                self.claims.pop(request_id)
+                task = self.streams.pop(request_id, None)
+                if task is not None:
+                    task.cancel()
+
+    def handoff(self, request_id: str, tokens: list[int]) -> bool:
+        """The KV arrived (from an in-process FakePrefill): stream ``tokens`` from seq 1."""
+        claim = self.claims.get(request_id)
+        if claim is None:
+            return False
+        self.streams[request_id] = asyncio.create_task(self._stream(claim, tokens))
+        return True
+
+    async def _stream(self, claim: _Claim, tokens: list[int]) -> None:
+        request = claim.request
+        limit = min(len(tokens), request.max_tokens - 1)
+        for i in range(limit):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            last = i == limit - 1
+            finish = None
+            if tokens[i] == EOS or (last and limit == len(tokens)):
+                finish, last = "stop", True
+            elif last:
+                finish = "length"
+            await claim.link.send(Result(request.request_id, i + 1, [tokens[i]], finish,
+                                         i + 2).to_frame())
+            if last:
+                break
+        self.claims.pop(request.request_id, None)
+        self.streams.pop(request.request_id, None)
+
+
+@dataclass
+class FakePrefill(FakeNode):
+    role: str = "prefill"
+    node_id: str = "fake-prefill"
+    script: Script = echo_script
+    decodes: dict[str, FakeDecode] = field(default_factory=dict)  # address -> node
+    prefill_delay_s: float = 0.0
+    # Fault knobs, each for the next request only when set.
+    drop_link_on_request: bool = False
+    error_code: str | None = None
+    requests: list[Request] = field(default_factory=list)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    async def on_frame(self, link: Link, frame) -> None:
+        if frame.type is FrameType.CANCEL:
+            self.cancelled.append(Cancel.from_frame(frame).request_id)
+            return
+        if frame.type is not FrameType.REQUEST:
+            return
+        request = Request.from_frame(frame)
+        self.requests.append(request)
+        if self.drop_link_on_request:
+            self.drop_link_on_request = False
+            await link.close(flush=False)
+            return
+        if self.error_code is not None:
+            code, self.error_code = self.error_code, None
+            await link.send(ErrorFrame(code, f"{self.node_id} says {code}",
+                                       request.request_id).to_frame())
+            return
+        task = asyncio.create_task(self._prefill(link, request))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _prefill(self, link: Link, request: Request) -> None:
+        if self.prefill_delay_s:
+            await asyncio.sleep(self.prefill_delay_s)
+        tokens = self.script(request.prompt_token_ids)
+        ends = tokens[0] == EOS or len(tokens) == 1 or request.max_tokens == 1
+        finish = None
+        if ends:
+            finish = "stop" if tokens[0] == EOS or len(tokens) == 1 else "length"
+        await link.send(Result(request.request_id, 0, [tokens[0]], finish, 1).to_frame())
+        if finish is None:
+            await self._handoff(self.decodes[request.decode_target], request, tokens[1:])
+
+    async def _handoff(self, decode: FakeDecode, request: Request, tokens: list[int]) -> None:
+        # The claim went first but on another link: give it a moment to land, like a real node.
+        for _ in range(200):
+            if decode.handoff(request.request_id, tokens):
+                return
+            await asyncio.sleep(0.005)
