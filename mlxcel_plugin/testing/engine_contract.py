@@ -1,0 +1,524 @@
+"""The contract every engine honours; run it on yours.
+
+An engine plugin registers ``factory(model_path, EngineConfig) -> Engine``
+(see ``mlxcel_plugin.engine_api``). Subclass ``EngineContract`` in a test
+module and provide an ``engine_factory`` fixture: a zero-argument callable
+that returns a new, not yet started engine. The suite starts and closes every
+engine it makes (decode-after-prefill uses a second one, like a real cluster)::
+
+    import pytest
+    from mlxcel_plugin.engine_api import EngineConfig
+    from mlxcel_plugin.testing.engine_contract import EngineContract
+
+    class TestMyEngine(EngineContract):
+        @pytest.fixture
+        def engine_factory(self):
+            return lambda: make_my_engine("/path/to/checkpoint", EngineConfig(warmup=False))
+
+The rules, each a test below: every request ends with exactly one terminal
+event, after tokens indexed 0, 1, 2, ... (1, 2, ... after a handoff);
+``max_tokens`` and stop ids are honoured; greedy and seeded requests are
+reproducible, alone or batched; ``cancel`` ends a live request with
+``cancelled`` and frees its memory; ``close`` cancels what is pending;
+``prefill`` calls ``on_layer`` once per layer and returns a ``PrefillResult``
+whose cache matches ``info.fingerprint`` and survives the KV wire format;
+decoding that cache (on another engine) continues the single-node stream
+token for token; a bad request fails alone; ``stats`` stay in range and fall
+back to idle. Prompts are drawn from ``info.vocab_size``, so any model works;
+greedy parity needs a deterministic engine, which every engine must be.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mlxcel_plugin.engine_api import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    CacheLayer,
+    CacheState,
+    Engine,
+    EngineStats,
+    GenerationRequest,
+    ModelInfo,
+    PrefillResult,
+    SamplingParams,
+    TokenEvent,
+)
+from mlxcel_plugin.errors import MlxcelError
+from mlxcel_plugin.kv_codecs import WIRE_DTYPES, builtin_codecs
+from mlxcel_plugin.kv_serde import (
+    HandoffHeader,
+    ModelFingerprint,
+    SerializableSamplingState,
+    assemble_messages,
+)
+from mlxcel_plugin.testing.caches import assert_caches_equal
+from mlxcel_plugin.transfer import FullTransfer, StrategyOptions, plan_transfer
+
+EngineFactory = Callable[[], Engine]
+
+WAIT_S = 120.0  # generous: contract runs share small CI machines
+POLL_S = 0.005
+PROMPT_TOKENS = 37
+FIRST_TOKEN_ID = 3  # low ids are often BOS/EOS/pad; prompts avoid them
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234)
+TERMINAL_REASONS = {FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR}
+
+
+# --- helpers a plugin author may reuse in their own tests --------------------------
+
+
+class EventLog:
+    """An ``emit`` callback recording events; ``wait`` blocks until the terminal one."""
+
+    def __init__(self, on_event: Callable[[TokenEvent], None] | None = None) -> None:
+        self.events: list[TokenEvent] = []
+        self.done = threading.Event()
+        self._on_event = on_event
+
+    def __call__(self, event: TokenEvent) -> None:
+        self.events.append(event)
+        if event.finish_reason is not None:
+            self.done.set()
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def wait(self, timeout_s: float = WAIT_S) -> EventLog:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"no terminal event after {timeout_s}s: {self.events[-5:]}")
+        return self
+
+    def wait_for_events(self, count: int, timeout_s: float = WAIT_S) -> None:
+        wait_until(lambda: len(self.events) >= count or self.done.is_set(), timeout_s)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [event.token_id for event in self.events if event.token_id is not None]
+
+    @property
+    def terminal(self) -> TokenEvent:
+        return self.events[-1]
+
+
+class PrefillOutcome:
+    """``on_layer`` and ``on_done`` callbacks for ``Engine.prefill``."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[int, CacheLayer]] = []
+        self.result: PrefillResult | Exception | None = None
+        self.done_calls = 0
+        self.done = threading.Event()
+
+    def on_layer(self, index: int, layer: CacheLayer) -> None:
+        self.layers.append((index, layer))
+
+    def on_done(self, result: PrefillResult | Exception) -> None:
+        self.done_calls += 1
+        self.result = result
+        self.done.set()
+
+    def wait(self, timeout_s: float = WAIT_S) -> PrefillResult | Exception:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"prefill did not finish in {timeout_s}s")
+        return self.result
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not reached in {timeout_s}s")
+        time.sleep(POLL_S)
+
+
+def make_prompt(info: ModelInfo, length: int, seed: int = 0) -> tuple[int, ...]:
+    """Token ids the model accepts (``FIRST_TOKEN_ID`` .. vocab, no EOS ids)."""
+    high = info.vocab_size or 1000
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(FIRST_TOKEN_ID, high, size=length)
+    return tuple(int(t) for t in tokens if int(t) not in info.eos_token_ids) or (FIRST_TOKEN_ID,)
+
+
+def make_request(
+    info: ModelInfo,
+    request_id: str,
+    max_tokens: int = 8,
+    prompt_tokens: int = PROMPT_TOKENS,
+    **fields: object,
+) -> GenerationRequest:
+    prompt = make_prompt(info, prompt_tokens, seed=prompt_tokens)
+    return GenerationRequest(request_id, prompt, max_tokens, **fields)
+
+
+def long_request(info: ModelInfo, request_id: str) -> GenerationRequest:
+    """A request that runs until cancelled (as long as the context allows)."""
+    room = info.context_length - PROMPT_TOKENS - 1
+    return make_request(info, request_id, max_tokens=max(2, min(room, 100_000)))
+
+
+def generate(engine: Engine, request: GenerationRequest) -> EventLog:
+    log = EventLog()
+    engine.generate(request, log)
+    return log.wait()
+
+
+def prefill(engine: Engine, request: GenerationRequest) -> tuple[PrefillResult, PrefillOutcome]:
+    outcome = PrefillOutcome()
+    engine.prefill(request, outcome.on_done, outcome.on_layer)
+    result = outcome.wait()
+    if isinstance(result, Exception):
+        raise AssertionError(f"prefill of a valid request failed: {result!r}") from result
+    return result, outcome
+
+
+def wait_idle(engine: Engine, timeout_s: float = WAIT_S) -> EngineStats:
+    """Wait until the engine holds nothing: no queue, no sequence, no KV."""
+
+    def idle() -> bool:
+        stats = engine.stats()
+        return stats.queued == 0 and stats.active_sequences == 0 and stats.kv_bytes == 0
+
+    wait_until(idle, timeout_s)
+    return engine.stats()
+
+
+def check_stream(log: EventLog, first_index: int, max_tokens: int) -> None:
+    """Indexes ``first_index``, +1, ...; exactly one terminal event, last; budget kept."""
+    events = log.events
+    assert events, "no events"
+    indexes = [event.index for event in events]
+    assert indexes == list(range(first_index, first_index + len(events))), indexes
+    terminals = [event for event in events if event.finish_reason is not None]
+    assert terminals == [events[-1]], f"one terminal event, last: {terminals}"
+    assert events[-1].finish_reason in TERMINAL_REASONS, events[-1]
+    assert all(event.token_id is not None for event in events[:-1]), "only the end may be tokenless"
+    assert first_index + len(log.tokens) <= max_tokens, f"{len(log.tokens)} > max_tokens"
+
+
+def check_natural_end(log: EventLog, info: ModelInfo, request: GenerationRequest) -> None:
+    """A request that was not cancelled ends on a token, for the right reason."""
+    end = log.terminal
+    assert end.finish_reason in (FINISH_STOP, FINISH_LENGTH), end
+    assert end.token_id is not None, "stop/length carry the token that ended the request"
+    if end.finish_reason == FINISH_STOP:
+        assert end.token_id in {*info.eos_token_ids, *request.stop_token_ids}, end
+    elif end.index + 1 < request.max_tokens:
+        # Only the model's context may cut a request short of max_tokens.
+        used = len(request.prompt_tokens) + end.index + 1
+        assert used >= info.context_length, f"length before max_tokens: {end}"
+
+
+def check_cache_matches(cache: CacheState, fingerprint: dict, prompt_length: int) -> None:
+    """Layers, kinds, dtype, shapes and offsets as ``info.fingerprint`` declares them."""
+    parsed = ModelFingerprint.from_dict(fingerprint)
+    assert isinstance(cache, CacheState), type(cache)
+    assert len(cache.layers) == parsed.num_layers
+    for index, (layer, kind) in enumerate(zip(cache.layers, parsed.cache_classes, strict=True)):
+        assert (layer.kind, layer.dtype) == (kind, parsed.dtype), f"layer {index}"
+        assert layer.offset == prompt_length, f"layer {index}: offset {layer.offset}"
+        for tensor in (layer.keys, layer.values):
+            check_layer_tensor(index, layer, tensor, parsed)
+
+
+def check_layer_tensor(
+    index: int, layer: CacheLayer, tensor: np.ndarray, fingerprint: ModelFingerprint
+) -> None:
+    assert isinstance(tensor, np.ndarray), f"layer {index}: K/V must be numpy arrays"
+    assert tensor.dtype == WIRE_DTYPES[fingerprint.dtype], f"layer {index}: {tensor.dtype}"
+    batch, heads, tokens, head_dim = tensor.shape
+    assert (batch, heads, head_dim) == (1, fingerprint.kv_heads, fingerprint.head_dim)
+    # A KVCache is sliced to its offset; a RotatingKVCache keeps at most its window.
+    held_ok = tokens == layer.offset if layer.kind == "KVCache" else tokens <= layer.offset
+    assert held_ok, f"layer {index}: {tokens} positions held for offset {layer.offset}"
+
+
+def through_the_wire(result: PrefillResult, info: ModelInfo) -> CacheState:
+    """The cache as a decode node receives it: serialized, then assembled and checked."""
+    fingerprint = ModelFingerprint.from_dict(info.fingerprint)
+    request = result.request
+    header = HandoffHeader(
+        request_id=request.request_id,
+        handoff_id=f"{request.request_id}-h",
+        epoch=0,
+        fingerprint=fingerprint,
+        prompt_length=len(request.prompt_tokens),
+        first_token=result.first_token,
+        sampling=SerializableSamplingState.from_request(request),
+    )
+    messages = plan_transfer(FullTransfer(StrategyOptions()), header, result.cache)
+    return assemble_messages(messages, fingerprint, builtin_codecs()).cache
+
+
+# --- the contract ------------------------------------------------------------------
+
+
+class EngineContract:
+    @pytest.fixture
+    def engine_factory(self) -> EngineFactory:
+        raise NotImplementedError("provide an `engine_factory` fixture")
+
+    @pytest.fixture
+    def started(self, engine_factory: EngineFactory) -> Iterator[Callable[[], Engine]]:
+        """``started()`` makes and starts an engine; every one is closed after the test."""
+        engines: list[Engine] = []
+
+        def make() -> Engine:
+            engine = engine_factory()
+            engines.append(engine)
+            engine.start()
+            return engine
+
+        yield make
+        for engine in engines:
+            engine.close()
+
+    @pytest.fixture
+    def engine(self, started: Callable[[], Engine]) -> Engine:
+        return started()
+
+    # info ---------------------------------------------------------------------------
+
+    def test_info_is_well_formed(self, engine):
+        info = engine.info
+        assert isinstance(info, ModelInfo)
+        assert isinstance(info.model_id, str) and info.model_id
+        assert isinstance(info.context_length, int) and info.context_length > PROMPT_TOKENS + 8
+        assert all(isinstance(t, int) and t >= 0 for t in info.eos_token_ids)
+        assert isinstance(info.vocab_size, int) and info.vocab_size >= 0
+        # The decode side parses the same dict; a handoff needs supported cache kinds.
+        ModelFingerprint.from_dict(info.fingerprint).check_supported()
+
+    # generate -----------------------------------------------------------------------
+
+    @pytest.mark.parametrize("max_tokens", [1, 2, 9])
+    def test_generate_indexes_tokens_and_ends_once(self, engine, max_tokens):
+        request = make_request(engine.info, f"gen-{max_tokens}", max_tokens)
+        log = generate(engine, request)
+        check_stream(log, 0, max_tokens)
+        check_natural_end(log, engine.info, request)
+        wait_idle(engine)
+        check_stream(log, 0, max_tokens)  # again: nothing may follow the terminal event
+
+    def test_stop_token_ids_end_the_request(self, engine):
+        baseline = generate(engine, make_request(engine.info, "base", 6)).tokens
+        stop_id = baseline[min(3, len(baseline) - 1)]
+        request = make_request(engine.info, "stopped", 6, stop_token_ids=(stop_id,))
+        log = generate(engine, request)
+        check_stream(log, 0, 6)
+        assert log.tokens == baseline[: baseline.index(stop_id) + 1]
+        assert log.terminal.finish_reason == FINISH_STOP
+
+    @pytest.mark.parametrize("sampling", [SamplingParams(), SEEDED], ids=["greedy", "seeded"])
+    def test_same_request_same_tokens(self, engine, sampling):
+        request = make_request(engine.info, "again", 12, sampling=sampling)
+        assert generate(engine, request).tokens == generate(engine, request).tokens
+
+    def test_concurrent_requests_match_running_alone(self, engine):
+        requests = [make_request(engine.info, f"mix-{n}", 10, prompt_tokens=n) for n in (5, 37, 60)]
+        alone = [generate(engine, request).tokens for request in requests]
+        logs = [EventLog() for _ in requests]
+        for request, log in zip(requests, logs, strict=True):
+            engine.generate(request, log)
+        for request, log in zip(requests, logs, strict=True):
+            check_stream(log.wait(), 0, request.max_tokens)
+            assert all(event.request_id == request.request_id for event in log.events)
+        assert [log.tokens for log in logs] == alone
+
+    # cancel and close ---------------------------------------------------------------
+
+    def test_cancel_emits_cancelled_and_frees(self, engine):
+        request = long_request(engine.info, "cancel-me")
+        log = EventLog()
+        engine.generate(request, log)
+        log.wait_for_events(3)
+        engine.cancel(request.request_id)
+        log.wait()
+        check_stream(log, 0, request.max_tokens)
+        assert log.terminal.finish_reason == FINISH_CANCELLED
+        assert log.terminal.token_id is None, "a cancel carries no token"
+        wait_idle(engine)
+        check_stream(log, 0, request.max_tokens)  # again: nothing may follow the cancel
+
+    def test_cancel_from_inside_emit(self, engine):
+        # Callbacks run on the engine thread; cancel must not deadlock there.
+        request = long_request(engine.info, "cancel-inside")
+        log = EventLog(lambda e: engine.cancel(e.request_id) if e.index == 1 else None)
+        engine.generate(request, log)
+        check_stream(log.wait(), 0, request.max_tokens)
+        assert log.terminal.finish_reason == FINISH_CANCELLED
+        wait_idle(engine)
+
+    def test_cancel_racing_the_request_still_ends_it_once(self, engine):
+        request = make_request(engine.info, "race", 4)
+        log = EventLog()
+        engine.generate(request, log)
+        engine.cancel(request.request_id)
+        check_stream(log.wait(), 0, request.max_tokens)
+        wait_idle(engine)
+
+    def test_cancel_of_an_unknown_request_is_harmless(self, engine):
+        engine.cancel("never-submitted")
+        request = make_request(engine.info, "after-unknown-cancel", 3)
+        check_stream(generate(engine, request), 0, 3)
+
+    def test_cancel_a_decode_after_handoff(self, started):
+        prefill_engine, decode_engine = started(), started()
+        request = long_request(prefill_engine.info, "cancel-decode")
+        result, _ = prefill(prefill_engine, request)
+        log = EventLog()
+        decode_engine.decode(request, result.first_token, result.cache, log)
+        log.wait_for_events(2)
+        decode_engine.cancel(request.request_id)
+        check_stream(log.wait(), 1, request.max_tokens)
+        assert log.terminal.finish_reason == FINISH_CANCELLED
+        wait_idle(decode_engine)
+
+    def test_close_cancels_pending_requests(self, engine_factory):
+        engine = engine_factory()
+        engine.start()
+        request = long_request(engine.info, "pending")
+        log = EventLog()
+        engine.generate(request, log)
+        log.wait_for_events(2)
+        engine.close()
+        check_stream(log.wait(), 0, request.max_tokens)
+        assert log.terminal.finish_reason == FINISH_CANCELLED
+        late = EventLog()
+        engine.generate(make_request(engine.info, "after-close", 3), late)
+        # A request to a closed engine must end at once, never hang.
+        assert late.wait(10.0).terminal.finish_reason in (FINISH_CANCELLED, FINISH_ERROR)
+        assert late.terminal.token_id is None and len(late.events) == 1
+
+    # prefill and decode -------------------------------------------------------------
+
+    @pytest.mark.parametrize("prompt_tokens", [1, PROMPT_TOKENS])
+    def test_prefill_result_matches_the_fingerprint(self, engine, prompt_tokens):
+        request = make_request(engine.info, "pre", 8, prompt_tokens=prompt_tokens)
+        result, outcome = prefill(engine, request)
+        assert isinstance(result, PrefillResult) and result.request == request
+        assert isinstance(result.first_token, int) and result.first_token >= 0
+        assert result.finish_reason in (None, FINISH_STOP)
+        check_cache_matches(result.cache, engine.info.fingerprint, len(request.prompt_tokens))
+        assert outcome.done_calls == 1
+        # on_layer reports each layer once, with the K/V the result carries.
+        assert sorted(i for i, _ in outcome.layers) == list(range(len(result.cache.layers)))
+        for index, layer in outcome.layers:
+            assert_caches_equal(CacheState([layer]), CacheState([result.cache.layers[index]]))
+        wait_idle(engine)
+
+    def test_prefill_cache_survives_the_wire(self, engine):
+        request = make_request(engine.info, "wire", 8)
+        result, _ = prefill(engine, request)
+        assert_caches_equal(through_the_wire(result, engine.info), result.cache)
+
+    def test_prefill_with_max_tokens_1_ends_there(self, engine):
+        result, _ = prefill(engine, make_request(engine.info, "one", 1))
+        assert result.finish_reason in (FINISH_LENGTH, FINISH_STOP)
+
+    @pytest.mark.parametrize("sampling", [SamplingParams(), SEEDED], ids=["greedy", "seeded"])
+    @pytest.mark.parametrize("prompt_tokens", [1, PROMPT_TOKENS])
+    def test_decode_on_another_engine_continues_the_stream(self, started, sampling, prompt_tokens):
+        prefill_engine, decode_engine = started(), started()
+        info = prefill_engine.info
+        request = make_request(info, "split", 10, prompt_tokens=prompt_tokens, sampling=sampling)
+        single_node = generate(prefill_engine, request)
+        result, _ = prefill(prefill_engine, request)
+        log = EventLog()
+        decode_engine.decode(request, result.first_token, through_the_wire(result, info), log)
+        check_stream(log.wait(), 1, request.max_tokens)
+        check_natural_end(log, info, request)
+        assert [result.first_token, *log.tokens] == single_node.tokens
+        wait_idle(decode_engine)
+
+    # failures -----------------------------------------------------------------------
+
+    def bad_requests(self, info: ModelInfo) -> dict[str, GenerationRequest]:
+        good = make_request(info, "bad", 4)
+        fills_context = (FIRST_TOKEN_ID,) * info.context_length
+        bad = {
+            "empty-prompt": replace(good, prompt_tokens=()),
+            "zero-max-tokens": replace(good, max_tokens=0),
+            "prompt-fills-context": replace(good, prompt_tokens=fills_context),
+        }
+        if info.vocab_size:
+            bad["token-out-of-vocab"] = replace(good, prompt_tokens=(info.vocab_size,))
+        return bad
+
+    def test_a_bad_request_fails_alone(self, engine):
+        good = make_request(engine.info, "good", 8)
+        expected = generate(engine, good).tokens
+        for kind, bad in self.bad_requests(engine.info).items():
+            good_log, bad_log = EventLog(), EventLog()
+            engine.generate(good, good_log)
+            engine.generate(bad, bad_log)
+            bad_log.wait()
+            assert len(bad_log.events) == 1, f"{kind}: {bad_log.events}"
+            end = bad_log.terminal
+            assert (end.index, end.token_id, end.finish_reason) == (0, None, FINISH_ERROR), kind
+            assert isinstance(end.error, str) and end.error, f"{kind}: say what was wrong"
+            assert good_log.wait().tokens == expected, f"{kind} disturbed another request"
+        wait_idle(engine)
+
+    def test_a_bad_prefill_reports_an_exception(self, engine):
+        for kind, bad in self.bad_requests(engine.info).items():
+            outcome = PrefillOutcome()
+            engine.prefill(bad, outcome.on_done, outcome.on_layer)
+            result = outcome.wait()
+            assert isinstance(result, MlxcelError), f"{kind}: on_done got {type(result).__name__}"
+            assert outcome.done_calls == 1
+        check_stream(generate(engine, make_request(engine.info, "still-fine", 3)), 0, 3)
+
+    def test_a_cache_that_does_not_fit_fails_only_its_decode(self, started):
+        prefill_engine, decode_engine = started(), started()
+        request = make_request(prefill_engine.info, "misfit", 6)
+        result, _ = prefill(prefill_engine, request)
+        short = CacheState(result.cache.layers[:-1])
+        bad_log = EventLog()
+        decode_engine.decode(request, result.first_token, short, bad_log)
+        bad_log.wait()
+        assert len(bad_log.events) == 1, f"one error event, got {bad_log.events[:3]}"
+        end = bad_log.terminal
+        assert (end.index, end.token_id, end.finish_reason) == (1, None, FINISH_ERROR), end
+        good_log = EventLog()
+        decode_engine.decode(request, result.first_token, result.cache, good_log)
+        check_stream(good_log.wait(), 1, request.max_tokens)
+        check_natural_end(good_log, prefill_engine.info, request)
+
+    # stats --------------------------------------------------------------------------
+
+    def test_stats_are_sane_and_return_to_idle(self, engine):
+        check_stats(wait_idle(engine))
+        request = long_request(engine.info, "busy")
+        log = EventLog()
+        engine.generate(request, log)
+        log.wait_for_events(3)
+        # A decoding engine says so (the snapshot may lag a step, hence the wait).
+        wait_until(lambda: busy(engine.stats()), 10.0)
+        check_stats(engine.stats())
+        engine.cancel(request.request_id)
+        log.wait()
+        idle = wait_idle(engine)
+        check_stats(idle)
+        assert idle.free_kv_fraction == pytest.approx(1.0)
+
+
+def busy(stats: EngineStats) -> bool:
+    return stats.active_sequences + stats.queued >= 1
+
+
+def check_stats(stats: EngineStats) -> None:
+    assert isinstance(stats, EngineStats)
+    for name in ("queued", "active_sequences", "kv_bytes"):
+        value = getattr(stats, name)
+        assert isinstance(value, int) and value >= 0, f"{name}={value!r}"
+    assert 0.0 <= stats.free_kv_fraction <= 1.0, stats
+    assert stats.tokens_per_s >= 0.0, stats
