@@ -1,0 +1,336 @@
+"""The decode node: claims from routers, KV from prefill nodes, tokens back to the owner.
+
+A router's claim (REQUEST with ``claim=True``) makes its link the owner of a
+request. KV handoffs are assembled by ``HandoffReceiver`` on the event loop
+and acked; a sequence goes to ``engine.decode`` only once its KV is complete,
+claimed, and the ``DecodeScheduler`` admits it (memory, max_sequences). Each
+token goes to the owner as RESULT ``seq = index`` (1, 2, ...). KV is freed on
+completion, cancel, error, timeout, and when the owning router link closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel_plugin.engine_api import FINISH_ERROR, Engine, TokenEvent
+from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
+from mlxcel_plugin.frames import (
+    Cancel,
+    ErrorFrame,
+    Frame,
+    FrameError,
+    FrameType,
+    Request,
+    Result,
+    Telemetry,
+)
+from mlxcel_plugin.kv_codecs import KVCodec
+from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, make_ack
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.nodes.bridge import on_loop
+from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
+from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
+from mlxcel_plugin.nodes.metrics import DecodeMetrics
+from mlxcel_plugin.nodes.outbox import Outbox
+from mlxcel_plugin.nodes.requests import generation_request
+from mlxcel_plugin.scheduling import DecodeScheduler, DecodeSchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+HOUSEKEEPING_S = 0.25
+UNCLAIMED = "<unclaimed>"
+_ENDED_MEMORY = 4096
+
+
+class UnknownRequest(HandoffError):
+    code = "unknown_request"
+
+
+@dataclass
+class _Claim:
+    owner: Outbox
+    created_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Ready:
+    """Complete KV; acked only once claimed, so the prefill keeps its copy until we own it."""
+
+    completed: Completed
+    at_s: float = field(default_factory=time.monotonic)
+    acked: bool = False
+
+
+@dataclass
+class _Live:
+    owner: Outbox
+    last_token_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DecodeNodeParts:
+    engine: Engine
+    scheduler_config: DecodeSchedulerConfig
+    codecs: Mapping[str, KVCodec]
+    transfer_timeout_s: float = 30.0
+
+
+class DecodeNode:
+    def __init__(self, parts: DecodeNodeParts, node_id: str):
+        self.parts, self.engine, self.node_id = parts, parts.engine, node_id
+        self.scheduler = DecodeScheduler(parts.scheduler_config)
+        self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
+        self.receiver = HandoffReceiver(self.fingerprint, parts.codecs, self._admit_begin)
+        self.claims: dict[str, _Claim] = {}
+        self.ready: dict[str, _Ready] = {}
+        self.live: dict[str, _Live] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._prefill_outboxes: dict[Link, Outbox] = {}
+        stats = self.scheduler.stats
+        self.metrics = DecodeMetrics(lambda: stats().queue_depth, lambda: len(self.live),
+                                     lambda: stats().kv_used_bytes,
+                                     lambda: self.engine.stats().kv_bytes)
+
+    # -- state readers -----------------------------------------------------------------
+
+    def telemetry(self) -> Telemetry:
+        stats, engine = self.scheduler.stats(), self.engine.stats()
+        return Telemetry(self.node_id, "decode", stats.queue_depth, len(self.live),
+                         stats.free_kv_fraction, engine.tokens_per_s)
+
+    def health(self) -> dict[str, Any]:
+        stats = self.scheduler.stats()
+        return {"status": "ok", "role": "decode", "node_id": self.node_id,
+                "claims": len(self.claims), "ingesting": len(self.receiver.ingests),
+                "ready": len(self.ready), "active": len(self.live),
+                "backpressure": stats.backpressure, "kv_bytes": stats.kv_used_bytes,
+                "ingest_bytes": self.receiver.allocated_bytes,
+                "engine_kv_bytes": self.engine.stats().kv_bytes}
+
+    # -- links -------------------------------------------------------------------------
+
+    async def serve(self, link: Link) -> None:
+        outbox = Outbox(link)
+        is_router = link.peer_role == "router"
+        if not is_router:
+            self._prefill_outboxes[link] = outbox
+        try:
+            async for frame in link:  # until the link closes
+                if is_router:
+                    self._on_router_frame(outbox, frame)
+                else:
+                    self._on_prefill_frame(link, outbox, frame)
+        finally:
+            self._on_link_closed(link, outbox, is_router)
+
+    def _on_link_closed(self, link: Link, outbox: Outbox, is_router: bool) -> None:
+        if is_router:
+            owned = [rid for rid, c in self.claims.items() if c.owner is outbox]
+            owned += [rid for rid, live in self.live.items() if live.owner is outbox]
+            for request_id in owned:
+                self.cancel(request_id, "router link closed")
+        else:
+            self._prefill_outboxes.pop(link, None)
+            lost = UnknownRequest("the prefill link closed mid-handoff", code="prefill_node_lost")
+            for refused in self.receiver.drop_link(link, lost):
+                self.scheduler.complete(refused.request_id, FINISH_ERROR)
+        outbox.close()
+
+    def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
+        request_id = frame.header.get("request_id")
+        request_id = request_id if isinstance(request_id, str) else None
+        try:
+            if frame.type is FrameType.REQUEST:
+                self._on_claim(outbox, Request.from_frame(frame))
+            elif frame.type is FrameType.CANCEL:
+                self.cancel(Cancel.from_frame(frame).request_id, "cancelled by the router")
+            else:
+                logger.debug("%s: ignoring %s from a router", self.node_id, frame.type.name)
+        except (FrameError, MlxcelError) as exc:
+            outbox.put(ErrorFrame(exc.code or "error", exc.message, request_id).to_frame())
+
+    def _on_prefill_frame(self, link: Link, outbox: Outbox, frame: Frame) -> None:
+        try:
+            if frame.type in KV_TYPES:
+                self._on_outcome(self.receiver.feed(link, frame))
+            elif frame.type is FrameType.CANCEL:
+                request_id = Cancel.from_frame(frame).request_id
+                if request_id not in self.live:
+                    self.cancel(request_id, "handoff cancelled by the prefill node")
+        except (FrameError, MlxcelError) as exc:
+            request_id = frame.header.get("request_id")
+            request_id = request_id if isinstance(request_id, str) else None
+            outbox.put(ErrorFrame(exc.code or "error", exc.message, request_id).to_frame())
+
+    # -- claims ------------------------------------------------------------------------
+
+    def _on_claim(self, outbox: Outbox, frame: Request) -> None:
+        if not frame.claim:
+            raise FrameError("a decode node takes claims only (REQUEST with claim=True)",
+                             code="claim_required")
+        generation_request(frame)  # validates the fields a router controls
+        if frame.request_id in self.live:
+            raise MlxcelError(f"request {frame.request_id} is already decoding",
+                              code="duplicate_request")
+        # A renewed claim (re-routed prefill) replaces the old one; the id lives again.
+        self._ended.pop(frame.request_id, None)
+        self.claims[frame.request_id] = _Claim(outbox)
+        self._start_if_ready(frame.request_id)
+
+    # -- ingestion ---------------------------------------------------------------------
+
+    def _admit_begin(self, header: HandoffHeader) -> None:
+        request_id = header.request_id
+        if request_id in self._ended or request_id in self.live:
+            raise UnknownRequest(f"request {request_id} is not awaiting KV (ended or cancelled)")
+        fp = header.fingerprint
+        kv_bytes = fp.num_layers * 2 * fp.tensor_bytes(
+            header.prompt_length + header.sampling.max_tokens)
+        self.ready.pop(request_id, None)
+        self.scheduler.offer(request_id, UNCLAIMED, kv_bytes, header.epoch)
+
+    def _on_outcome(self, outcome: Completed | Refused | None) -> None:
+        if isinstance(outcome, Refused):
+            self._send_refusal(outcome)
+            if outcome.admitted:
+                self.scheduler.complete(outcome.request_id, FINISH_ERROR)
+        elif isinstance(outcome, Completed):
+            ingest = outcome.ingest
+            self.metrics.ingest_time.observe(time.monotonic() - ingest.started_s)
+            self.ready[ingest.request_id] = _Ready(outcome)
+            self._start_if_ready(ingest.request_id)
+
+    def _send_refusal(self, refused: Refused) -> None:
+        code = refused.error.code or "handoff_failed"
+        if isinstance(refused.error, AtCapacityError):
+            code = "at_capacity"
+        self.metrics.refusals.labels(code).inc()
+        logger.info("%s: refused handoff of %s: %s (%s)", self.node_id, refused.request_id,
+                    code, refused.error.message)
+        error = HandoffError(refused.error.message, code=code)
+        ack = make_ack(refused.request_id, refused.handoff_id, refused.epoch, error)
+        self._outbox_for(refused.reply).put(message_to_frame(ack))
+
+    def _outbox_for(self, link: Link) -> Outbox:
+        outbox = self._prefill_outboxes.get(link)
+        if outbox is None:  # only a closed link has none; its frames would go nowhere
+            outbox = Outbox(link)
+        return outbox
+
+    # -- decoding ----------------------------------------------------------------------
+
+    def _start_if_ready(self, request_id: str) -> None:
+        ready = self.ready.get(request_id)
+        if ready is None or request_id not in self.claims:
+            return
+        ingest = ready.completed.ingest
+        if not ready.acked:
+            ready.acked = True
+            self.metrics.handoffs.inc()
+            ack = make_ack(ingest.request_id, ingest.handoff_id, ingest.epoch)
+            self._outbox_for(ingest.reply).put(message_to_frame(ack))
+        self.scheduler.on_kv_complete(request_id, ready.completed.ingest.epoch)
+        self._admit()
+
+    def _admit(self) -> None:
+        loop = asyncio.get_running_loop()
+        for request_id in self.scheduler.admit():
+            completed = self.ready.pop(request_id).completed
+            claim = self.claims.pop(request_id)
+            self.live[request_id] = _Live(claim.owner)
+            request = completed.state.header.to_request()
+            emit = on_loop(loop, self._on_token)
+            self.engine.decode(request, completed.first_token, completed.state.cache, emit)
+
+    def _on_token(self, event: TokenEvent) -> None:
+        live = self.live.get(event.request_id)
+        if live is None:  # cancelled: the engine's last word is not wanted
+            return
+        now = time.monotonic()
+        if event.token_id is not None:
+            self.metrics.tpot.observe(now - live.last_token_s)
+        live.last_token_s = now
+        tokens = [] if event.token_id is None else [event.token_id]
+        result = Result(event.request_id, event.index, tokens, event.finish_reason,
+                        event.index + len(tokens), event.error)
+        live.owner.put(result.to_frame())
+        if event.finish_reason is not None:
+            self.metrics.finished.labels(event.finish_reason).inc()
+            self._end(event.request_id)
+
+    # -- ending ------------------------------------------------------------------------
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        if self.live.pop(request_id, None) is not None:
+            self.engine.cancel(request_id)
+            self.metrics.finished.labels("cancelled").inc()
+        gone = UnknownRequest(f"request {request_id} was cancelled: {reason}")
+        for refused in self.receiver.drop(request_id, gone):
+            self._send_refusal(refused)
+        ready = self.ready.get(request_id)
+        if ready is not None and not ready.acked:
+            self._refuse_ready(ready, gone)
+        self.claims.pop(request_id, None)
+        self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        self.live.pop(request_id, None)
+        self.ready.pop(request_id, None)
+        self.claims.pop(request_id, None)
+        self.scheduler.complete(request_id, "ended")
+        self._ended[request_id] = None
+        while len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+        self._admit()
+
+    def _fail_claim(self, request_id: str, error: HandoffError) -> None:
+        claim = self.claims.get(request_id)
+        if claim is not None:
+            text = f"{error.code}: {error.message}"
+            claim.owner.put(Result(request_id, 1, [], FINISH_ERROR, 1, text).to_frame())
+            self.metrics.finished.labels(FINISH_ERROR).inc()
+        for refused in self.receiver.drop(request_id, error):
+            self._send_refusal(refused)
+        self.claims.pop(request_id, None)
+        self._end(request_id)
+
+    async def housekeeping(self) -> None:
+        """Claims whose KV never came, and KV nobody claimed, end after transfer_timeout_s."""
+        while True:  # cancelled at shutdown
+            await asyncio.sleep(HOUSEKEEPING_S)
+            self.expire(time.monotonic())
+
+    def expire(self, now: float) -> None:
+        cutoff = now - self.parts.transfer_timeout_s
+        for ingest in self.receiver.older_than(cutoff):
+            if ingest.request_id in self.claims:
+                late = HandoffError("the KV cache did not complete in transfer_timeout_s",
+                                    code="transfer_timeout")
+                self._fail_claim(ingest.request_id, late)
+            else:
+                self._fail_claim(ingest.request_id, UnknownRequest("KV nobody claimed"))
+        for request_id, claim in list(self.claims.items()):
+            waiting = request_id in self.ready or self.receiver.by_request(request_id)
+            if claim.created_s < cutoff and not waiting:
+                late = HandoffError("the KV cache did not arrive in transfer_timeout_s",
+                                    code="transfer_timeout")
+                self._fail_claim(request_id, late)
+        for request_id, ready in list(self.ready.items()):
+            if request_id not in self.claims and ready.at_s < cutoff:
+                self._refuse_ready(ready, UnknownRequest("KV nobody claimed"))
+                self._end(request_id)
+
+    def _refuse_ready(self, ready: _Ready, error: HandoffError) -> None:
+        ingest = ready.completed.ingest
+        self._send_refusal(Refused(ingest.request_id, ingest.handoff_id, ingest.epoch,
+                                   ingest.reply, error))
+
+    async def close(self) -> None:
+        for request_id in [*self.live, *self.claims]:
+            self.cancel(request_id, "node shutting down")

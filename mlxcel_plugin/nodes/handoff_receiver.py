@@ -1,0 +1,165 @@
+"""Decode side of the KV handoff: KV frames in (any lane, any order), caches out.
+
+Assembly runs here, on the event loop, never on the engine thread: a KV
+arriving cannot stall a decode step. Several handoffs are in flight at once,
+routed by ``handoff_id``; the begin is checked by ``admit`` (capacity, known
+request, fingerprint) before anything is allocated. Every refusal names its
+code (it goes into the KV_ACK) and frees the partial cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
+from mlxcel_plugin.frames import Frame, FrameType
+from mlxcel_plugin.kv_codecs import KVCodec
+from mlxcel_plugin.kv_serde import (
+    AssemblerLimits,
+    HandoffHeader,
+    KVAssembler,
+    ModelFingerprint,
+    SerializableCacheState,
+)
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.nodes.kv_wire import end_first_token, frame_to_message
+
+logger = logging.getLogger(__name__)
+
+# admit(header) raises to refuse a handoff before anything is allocated.
+Admit = Callable[[HandoffHeader], None]
+
+
+@dataclass
+class Ingest:
+    """One handoff attempt being received."""
+
+    request_id: str
+    handoff_id: str
+    epoch: int
+    reply: Link  # acks go back on the link that brought the begin
+    assembler: KVAssembler
+    lanes: set[Link] = field(default_factory=set)
+    started_s: float = field(default_factory=time.monotonic)
+    first_token: int | None = None
+
+
+@dataclass(frozen=True)
+class Completed:
+    ingest: Ingest
+    state: SerializableCacheState
+    first_token: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    request_id: str
+    handoff_id: str
+    epoch: int
+    reply: Link
+    error: MlxcelError
+    admitted: bool = True  # False: refused at the begin, nothing was reserved
+
+
+Outcome = Completed | Refused | None
+
+
+class HandoffReceiver:
+    def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec], admit: Admit,
+                 limits: AssemblerLimits | None = None):
+        self.local, self.codecs, self.admit = local, codecs, admit
+        self.limits = limits or AssemblerLimits()
+        self.ingests: dict[str, Ingest] = {}  # by handoff_id
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(i.assembler.allocated_bytes for i in self.ingests.values())
+
+    def by_request(self, request_id: str) -> Ingest | None:
+        return next((i for i in self.ingests.values() if i.request_id == request_id), None)
+
+    def feed(self, link: Link, frame: Frame) -> Outcome:
+        """Apply one KV frame; raises MalformedHandoff when it cannot even be routed."""
+        message = frame_to_message(frame)
+        handoff_id, epoch = _route(frame)
+        ingest = self.ingests.get(handoff_id)
+        if frame.type is FrameType.KV_BEGIN:
+            if ingest is None or epoch > ingest.epoch:
+                return self._begin(link, frame, handoff_id, epoch)
+        if ingest is None or epoch != ingest.epoch:
+            # A refused, finished or superseded attempt's late frames: nothing to do.
+            logger.debug("dropping %s for handoff %s epoch %d", frame.type.name, handoff_id, epoch)
+            return None
+        ingest.lanes.add(link)
+        try:
+            if frame.type is FrameType.KV_END:
+                ingest.first_token = end_first_token(frame)
+            state = ingest.assembler.feed(message)
+        except HandoffError as exc:
+            return self._refuse(ingest, exc)
+        if state is None:
+            return None
+        del self.ingests[handoff_id]
+        first = state.header.first_token if ingest.first_token is None else ingest.first_token
+        return Completed(ingest, state, first)
+
+    def _begin(self, link: Link, frame: Frame, handoff_id: str, epoch: int) -> Outcome:
+        old = self.ingests.pop(handoff_id, None)
+        if old is not None:  # a retry supersedes the attempt still arriving
+            _free(old.assembler)
+        request_id = frame.header.get("request_id")
+        request_id = request_id if isinstance(request_id, str) else ""
+        try:
+            header = HandoffHeader.from_message(frame_to_message(frame),
+                                                self.limits.max_prompt_tokens)
+            header.fingerprint.check_supported()
+            header.fingerprint.check_matches(self.local)
+            self.admit(header)
+        except (HandoffError, AtCapacityError) as exc:
+            return Refused(request_id, handoff_id, epoch, link, exc, admitted=False)
+        assembler = KVAssembler(self.local, self.codecs, self.limits,
+                                expected_request_id=header.request_id)
+        ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
+        self.ingests[handoff_id] = ingest
+        try:
+            assembler.feed(frame_to_message(frame))
+        except HandoffError as exc:
+            return self._refuse(ingest, exc)
+        return None
+
+    def _refuse(self, ingest: Ingest, error: MlxcelError) -> Refused:
+        self.ingests.pop(ingest.handoff_id, None)
+        _free(ingest.assembler)
+        return Refused(ingest.request_id, ingest.handoff_id, ingest.epoch, ingest.reply, error)
+
+    def drop(self, request_id: str, error: MlxcelError) -> list[Refused]:
+        """Abandon every ingest of ``request_id`` (cancelled, timed out)."""
+        return [self._refuse(i, error) for i in list(self.ingests.values())
+                if i.request_id == request_id]
+
+    def drop_link(self, link: Link, error: MlxcelError) -> list[Refused]:
+        """The sending prefill node went away: its unfinished handoffs cannot complete."""
+        return [self._refuse(i, error) for i in list(self.ingests.values()) if link in i.lanes]
+
+    def older_than(self, cutoff_s: float) -> list[Ingest]:
+        return [i for i in self.ingests.values() if i.started_s < cutoff_s]
+
+
+def _free(assembler: KVAssembler) -> None:
+    """Mark the assembler failed and drop its buffers now, not at GC."""
+    try:
+        assembler.expire()
+    except HandoffError:
+        return  # expire() always raises, naming what was missing; we already know why
+
+
+def _route(frame: Frame) -> tuple[str, int]:
+    handoff_id, epoch = frame.header.get("handoff_id"), frame.header.get("epoch")
+    if not isinstance(handoff_id, str) or not handoff_id or len(handoff_id) > 256:
+        raise HandoffError("KV frame without a valid handoff_id", code="handoff_malformed")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise HandoffError("KV frame without a valid epoch", code="handoff_malformed")
+    return handoff_id, epoch

@@ -1,0 +1,182 @@
+"""Prefill side of the KV handoff: links to decode nodes, ordered sends, acks.
+
+``DecodeLinks`` dials (and redials) the links to each decode node — lane i is
+the i-th link, for LayerParallel — reads KV_ACK frames off them and resolves
+the matching ``OutgoingHandoff``. An ``OutgoingHandoff`` is one attempt: the
+strategy's messages are queued as they are produced (``on_layer`` during
+prefill, for Streamed) and one task puts them on the lanes in order, so the
+engine thread never waits on a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from mlxcel_plugin.engine_api import CacheLayer
+from mlxcel_plugin.errors import HandoffError, MlxcelError, NodeLostError
+from mlxcel_plugin.frames import Cancel, Frame, FrameType
+from mlxcel_plugin.kv_serde import AckHeader, HandoffHeader, KVMessage
+from mlxcel_plugin.link import Link, LinkClosed, LinkConfig
+from mlxcel_plugin.link_dial import RETRYABLE, Backoff, dial_with_backoff
+from mlxcel_plugin.nodes.kv_wire import message_to_frame
+from mlxcel_plugin.secret import ClusterSecret
+from mlxcel_plugin.transfer import TransferStrategy
+
+logger = logging.getLogger(__name__)
+
+DIAL_ATTEMPTS = 3
+_DIAL_BACKOFF = Backoff(initial_s=0.05, max_s=0.5)
+_DONE = object()
+
+
+class TargetLost(NodeLostError):
+    code = "decode_node_lost"
+
+
+@dataclass
+class OutgoingHandoff:
+    """One attempt of one handoff; ``ack`` resolves with the decode node's answer."""
+
+    header: HandoffHeader
+    strategy: TransferStrategy
+    target: str
+    started_s: float = field(default_factory=time.monotonic)
+    sent_bytes: int = 0
+    began: bool = False  # a begin went out: the decode node may hold state to drop
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.ack: asyncio.Future[AckHeader] = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.header.request_id, self.header.handoff_id, self.header.epoch
+
+    def push(self, messages: Iterable[KVMessage], first_token: int | None = None) -> None:
+        for message in messages:
+            self._queue.put_nowait((message, first_token))
+
+    def add_layer(self, index: int, layer: CacheLayer) -> None:
+        if self.aborted:
+            return
+        try:
+            self.push(self.strategy.add_layer(index, layer))
+        except HandoffError as exc:  # this handoff only: the waiter reports it
+            self.fail(exc)
+
+    def finish(self, first_token: int) -> None:
+        if not self.aborted:
+            try:
+                self.push(self.strategy.finish(), first_token)
+            except HandoffError as exc:
+                self.fail(exc)
+        self._queue.put_nowait(_DONE)
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop sending; the waiter sees ``exc``."""
+        self.aborted = True
+        if not self.ack.done():
+            self.ack.set_exception(exc)
+        if self._task is not None:
+            self._task.cancel()
+
+    def run(self, lanes: asyncio.Task[list[Link]]) -> None:
+        self._task = asyncio.create_task(self._send_all(lanes), name="kv-handoff-send")
+
+    async def _send_all(self, lanes_task: asyncio.Task[list[Link]]) -> None:
+        try:
+            lanes = await lanes_task
+            while (item := await self._queue.get()) is not _DONE:  # ends with finish()
+                message, first_token = item
+                frame = message_to_frame(message, first_token)
+                self.began = self.began or message.kind == "begin"
+                await lanes[message.lane % len(lanes)].send(frame)
+                self.sent_bytes += len(frame.body)
+        except (*RETRYABLE, MlxcelError) as exc:
+            self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))
+
+
+class DecodeLinks:
+    """Links from this prefill node to decode nodes, and the acks that come back."""
+
+    def __init__(self, secret: ClusterSecret, node_id: str, config: LinkConfig | None = None):
+        self._secret, self._node_id, self._config = secret, node_id, config or LinkConfig()
+        self._links: dict[str, list[Link]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._waiting: dict[tuple[str, str, int], OutgoingHandoff] = {}
+        self._readers: set[asyncio.Task[None]] = set()
+
+    def start(self, handoff: OutgoingHandoff, lanes: int) -> None:
+        self._waiting[handoff.key] = handoff
+        handoff.ack.add_done_callback(lambda _: self._waiting.pop(handoff.key, None))
+        handoff.run(asyncio.create_task(self.lanes(handoff.target, lanes)))
+
+    async def lanes(self, target: str, count: int) -> list[Link]:
+        """``count`` open links to ``target``, dialing the missing ones."""
+        async with self._locks.setdefault(target, asyncio.Lock()):
+            links = [link for link in self._links.get(target, []) if not link.closed]
+            while len(links) < count:  # one dial per missing lane
+                links.append(await self._dial(target))
+            self._links[target] = links
+            return links[:count]
+
+    async def _dial(self, target: str) -> Link:
+        link = await dial_with_backoff(target, self._secret, "prefill", self._node_id,
+                                       expect_roles={"decode"}, config=self._config,
+                                       backoff=_DIAL_BACKOFF, max_attempts=DIAL_ATTEMPTS)
+        task = asyncio.create_task(self._read(target, link), name="kv-ack-reader")
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+        return link
+
+    async def _read(self, target: str, link: Link) -> None:
+        async for frame in link:  # until the link closes
+            self._on_frame(target, frame)
+        self._lost(target, link)
+
+    def _on_frame(self, target: str, frame: Frame) -> None:
+        if frame.type is FrameType.KV_ACK:
+            self._on_ack(frame)
+        elif frame.type is FrameType.ERROR:
+            logger.warning("%s: decode node %s reported %s", self._node_id, target, frame.header)
+
+    def _on_ack(self, frame: Frame) -> None:
+        try:
+            ack = AckHeader.from_dict(frame.header)
+        except HandoffError as exc:
+            logger.warning("%s: malformed KV_ACK ignored: %s", self._node_id, exc.message)
+            return
+        handoff = self._waiting.get((ack.request_id, ack.handoff_id, ack.epoch))
+        if handoff is None:
+            logger.debug("%s: ack for %s epoch %d nobody waits for", self._node_id,
+                         ack.request_id, ack.epoch)
+            return
+        if not handoff.ack.done():
+            handoff.ack.set_result(ack)
+
+    def _lost(self, target: str, link: Link) -> None:
+        logger.info("%s: link to decode node %s closed", self._node_id, target)
+        for handoff in [h for h in self._waiting.values() if h.target == target]:
+            handoff.fail(TargetLost(f"decode node {target} went away mid-handoff"))
+
+    async def cancel_on_target(self, handoff: OutgoingHandoff, reason: str) -> None:
+        """Tell the decode node to drop a handoff whose begin went out."""
+        links = [link for link in self._links.get(handoff.target, []) if not link.closed]
+        if not handoff.began or not links:
+            return
+        with contextlib.suppress(LinkClosed):
+            await links[0].send(Cancel(handoff.header.request_id, reason).to_frame())
+
+    async def close(self) -> None:
+        for links in self._links.values():
+            for link in links:
+                await link.close()
+        for task in list(self._readers):
+            task.cancel()

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the prefill and decode nodes (``mlxcel:`` names).
+
+One registry per node object, never the process-global one. Gauges read live
+state at scrape time (``set_function``), so nothing has to keep them in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_SECONDS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+    1.25, 2.5, 5.0, 10.0, 20.0, 40.0,
+)  # fmt: skip
+_BYTES = tuple(float(1 << shift) for shift in range(10, 34, 2))
+
+
+def _gauge(registry: CollectorRegistry, name: str, doc: str, read: Callable[[], float]) -> Gauge:
+    gauge = Gauge(name, doc, registry=registry)
+    gauge.set_function(read)
+    return gauge
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class PrefillMetrics(NodeMetrics):
+    def __init__(self, queue_depth: Callable[[], float], kv_bytes: Callable[[], float]):
+        super().__init__()
+        r = self.registry
+        self.queue_time = Histogram("mlxcel:prefill_queue_time_seconds",
+                                    "Time a request waited for a prefill slot.",
+                                    buckets=_SECONDS, registry=r)
+        self.prefill_time = Histogram("mlxcel:prefill_time_seconds",
+                                      "Prefill compute time, first token included.",
+                                      buckets=_SECONDS, registry=r)
+        self.handoff_bytes = Histogram("mlxcel:handoff_bytes", "Encoded KV bytes per handoff.",
+                                       buckets=_BYTES, registry=r)
+        self.handoff_time = Histogram("mlxcel:handoff_time_seconds",
+                                      "From the first token to the decode node's ack.",
+                                      buckets=_SECONDS, registry=r)
+        self.handoff_retries = Counter("mlxcel:handoff_retries", "Handoff attempts retried.",
+                                       registry=r)
+        self.handoff_failures = Counter("mlxcel:handoff_failures",
+                                        "Handoffs given up, by reason.", ["reason"], registry=r)
+        self.requests = Counter("mlxcel:prefill_requests", "Requests by outcome.", ["outcome"],
+                                registry=r)
+        _gauge(r, "mlxcel:prefill_queue_depth", "Requests waiting for prefill.", queue_depth)
+        _gauge(r, "mlxcel:kv_cache_bytes", "KV bytes held (awaiting handoff ack).", kv_bytes)
+
+
+class DecodeMetrics(NodeMetrics):
+    def __init__(self, ingestion_depth: Callable[[], float], batch_size: Callable[[], float],
+                 kv_bytes: Callable[[], float], engine_kv_bytes: Callable[[], float]):
+        super().__init__()
+        r = self.registry
+        self.tpot = Histogram("mlxcel:time_per_output_token_seconds",
+                              "Time between tokens of one sequence.", buckets=_SECONDS,
+                              registry=r)
+        self.ingest_time = Histogram("mlxcel:kv_ingest_time_seconds",
+                                     "From a handoff's begin to its verified end.",
+                                     buckets=_SECONDS, registry=r)
+        self.handoffs = Counter("mlxcel:kv_handoffs_received", "Handoffs acked ok.", registry=r)
+        self.refusals = Counter("mlxcel:kv_handoff_refusals", "Handoffs refused, by code.",
+                                ["code"], registry=r)
+        self.finished = Counter("mlxcel:decode_requests_finished", "Requests ended, by reason.",
+                                ["reason"], registry=r)
+        _gauge(r, "mlxcel:decode_ingestion_queue_depth", "Handoffs ingesting or waiting.",
+               ingestion_depth)
+        _gauge(r, "mlxcel:decode_batch_size", "Sequences in the decode batch.", batch_size)
+        _gauge(r, "mlxcel:kv_cache_bytes", "KV bytes reserved by the decode scheduler.", kv_bytes)
+        _gauge(r, "mlxcel:engine_kv_cache_bytes", "KV bytes the engine holds.", engine_kv_bytes)

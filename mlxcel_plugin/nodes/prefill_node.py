@@ -1,0 +1,363 @@
+"""The prefill node: REQUEST frames in, first token out, KV handed to a decode node.
+
+Per request: validate (allowlist, sampling, size) → ``PrefillScheduler``
+queue → ``engine.prefill`` with ``on_layer`` feeding the transfer strategy
+(Streamed: layer i is on the wire while i+1 computes) → RESULT seq 0 to the
+router at once → the strategy's end (carrying the first token) → wait for
+KV_ACK, retrying per ``max_handoff_retries`` → free the KV copy on ack,
+failure or ``transfer_timeout_s``. This node never generates past the first
+token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
+from mlxcel_plugin.errors import MlxcelError
+from mlxcel_plugin.frames import (
+    Cancel,
+    ErrorFrame,
+    Frame,
+    FrameError,
+    FrameType,
+    Request,
+    Result,
+    Telemetry,
+    decode_target_allowed,
+)
+from mlxcel_plugin.kv_codecs import KVCodec
+from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.nodes.bridge import on_loop
+from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
+from mlxcel_plugin.nodes.metrics import PrefillMetrics
+from mlxcel_plugin.nodes.outbox import Outbox
+from mlxcel_plugin.nodes.requests import generation_request
+from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler, PrefillSchedulerConfig
+from mlxcel_plugin.transfer import (
+    FULL,
+    AdaptiveSelector,
+    BandwidthEstimator,
+    StrategyFactory,
+    TransferConfig,
+    make_strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+HOUSEKEEPING_S = 0.25
+# Refusals that another attempt cannot cure: give up at once.
+FINAL_REFUSALS = frozenset({
+    "handoff_fingerprint_mismatch", "handoff_layer_count_mismatch",
+    "handoff_unsupported_cache_kind", "handoff_unsupported_version", "handoff_oversize",
+    "unknown_request",
+})  # fmt: skip
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    owner: Outbox  # the router link that sent the request
+    target: str
+    pinned: bool  # the router chose the target: never hand off elsewhere
+    submitted_s: float
+    handoff_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    handoff: OutgoingHandoff | None = None
+    result: PrefillResult | None = None
+    first_token_s: float = 0.0
+    waiter: asyncio.Task[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class PrefillNodeParts:
+    """What a prefill node is built from (the role wires them from config)."""
+
+    engine: Engine
+    scheduler_config: PrefillSchedulerConfig
+    transfer_config: TransferConfig
+    strategies: Mapping[str, StrategyFactory]
+    codecs: Mapping[str, KVCodec]
+    decode_peers: tuple[str, ...] = ()
+    kv_budget_bytes: int = 4 * 1024**3
+
+
+class PrefillNode:
+    def __init__(self, parts: PrefillNodeParts, links: DecodeLinks, node_id: str,
+                 env: Mapping[str, str] | None = None):
+        self.parts, self.engine, self.node_id = parts, parts.engine, node_id
+        self.env = os.environ if env is None else env
+        self.scheduler = PrefillScheduler(parts.scheduler_config)
+        self.links = links
+        self.selector = AdaptiveSelector(parts.transfer_config, parts.codecs)
+        self.bandwidth = BandwidthEstimator()
+        self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
+        self.jobs: dict[str, _Job] = {}
+        self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
+        self._peer_cycle = itertools.cycle(parts.decode_peers) if parts.decode_peers else None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._prompt_tokens = 0
+        self._since_s = time.monotonic()
+
+    # -- state readers -----------------------------------------------------------------
+
+    def held_kv_bytes(self) -> int:
+        return sum(job.result.cache.nbytes for job in self.jobs.values() if job.result)
+
+    def kv_used_fraction(self) -> float:
+        engine_used = 1.0 - self.engine.stats().free_kv_fraction
+        return max(engine_used, self.held_kv_bytes() / max(1, self.parts.kv_budget_bytes))
+
+    def telemetry(self) -> Telemetry:
+        stats = self.scheduler.stats()
+        elapsed = max(time.monotonic() - self._since_s, 1e-9)
+        return Telemetry(self.node_id, "prefill", stats.queued, stats.running + stats.handing_off,
+                         1.0 - self.kv_used_fraction(), self._prompt_tokens / elapsed)
+
+    def health(self) -> dict[str, Any]:
+        stats = self.scheduler.stats()
+        return {"status": "ok", "role": "prefill", "node_id": self.node_id,
+                "queued": stats.queued, "running": stats.running,
+                "handing_off": stats.handing_off, "jobs": len(self.jobs),
+                "kv_bytes": self.held_kv_bytes(), "engine_kv_bytes": self.engine.stats().kv_bytes}
+
+    # -- router links ------------------------------------------------------------------
+
+    async def serve(self, link: Link) -> None:
+        """Handle one router link until it closes; then cancel what it owns."""
+        outbox = Outbox(link)
+        try:
+            async for frame in link:  # until the link closes
+                self._on_router_frame(outbox, frame)
+        finally:
+            for job in [j for j in self.jobs.values() if j.owner is outbox]:
+                self.cancel(job.request_id, "router link closed")
+            outbox.close()
+
+    def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
+        request_id = frame.header.get("request_id")
+        request_id = request_id if isinstance(request_id, str) else None
+        try:
+            if frame.type is FrameType.REQUEST:
+                self._on_request(outbox, Request.from_frame(frame))
+            elif frame.type is FrameType.CANCEL:
+                self.cancel(Cancel.from_frame(frame).request_id, "cancelled by the router")
+            else:
+                logger.debug("%s: ignoring %s from a router", self.node_id, frame.type.name)
+        except (FrameError, MlxcelError) as exc:
+            outbox.put(ErrorFrame(exc.code or "error", exc.message, request_id).to_frame())
+
+    def _on_request(self, outbox: Outbox, frame: Request) -> None:
+        if frame.claim:
+            raise FrameError("a prefill node takes no claims", code="claim_refused")
+        request = generation_request(frame)
+        target, pinned = self._choose_target(frame.decode_target)
+        now = time.monotonic()
+        self.scheduler.submit(PrefillJob(request.request_id, len(request.prompt_tokens), target),
+                              now, kv_used_fraction=self.kv_used_fraction())
+        self.jobs[request.request_id] = _Job(request, outbox, target, pinned, now)
+        self._pump()
+
+    def _choose_target(self, wanted: str | None) -> tuple[str, bool]:
+        if wanted:
+            if not decode_target_allowed(wanted, self.env):
+                raise MlxcelError(f"decode target {wanted} is not allowed",
+                                  code="decode_target_refused")
+            return wanted, True
+        if self._peer_cycle is None:
+            raise MlxcelError("no decode_target and no --decode-peers", code="no_decode_target")
+        return next(self._peer_cycle), False
+
+    # -- prefill -----------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        while (job := self.scheduler.next_ready(time.monotonic())) is not None:  # slots bound it
+            self._start_prefill(self.jobs[job.request_id])
+
+    def _start_prefill(self, job: _Job) -> None:
+        loop = asyncio.get_running_loop()
+        self.metrics.queue_time.observe(time.monotonic() - job.submitted_s)
+        job.submitted_s = time.monotonic()
+        on_layer = None
+        if job.request.max_tokens > 1:  # max_tokens == 1 ends at the first token: no handoff
+            job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
+            on_layer = on_loop(loop, job.handoff.add_layer)
+        done = on_loop(loop, lambda result: self._on_prefill_done(job, result))
+        self.engine.prefill(job.request, done, on_layer)
+
+    def _header(self, job: _Job, epoch: int, first_token: int) -> HandoffHeader:
+        return HandoffHeader(
+            request_id=job.request_id, handoff_id=job.handoff_id, epoch=epoch,
+            fingerprint=self.fingerprint, prompt_length=len(job.request.prompt_tokens),
+            first_token=first_token, sampling=SerializableSamplingState.from_request(job.request),
+            deadline_in_s=self.parts.transfer_config.transfer_timeout_s,
+        )
+
+    def _begin_handoff(self, job: _Job, epoch: int, streaming: bool,
+                       first_token: int = 0) -> OutgoingHandoff:
+        payload = self.fingerprint.num_layers * 2 * self.fingerprint.tensor_bytes(
+            len(job.request.prompt_tokens))
+        choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
+                                      lanes_available=self.parts.transfer_config.parallelism,
+                                      can_stream=streaming)
+        strategy = make_strategy(choice.strategy if streaming else FULL, choice.codec,
+                                 self.parts.strategies, self.parts.codecs,
+                                 chunk_bytes=self.parts.transfer_config.chunk_bytes,
+                                 lanes=choice.lanes)
+        handoff = OutgoingHandoff(self._header(job, epoch, first_token), strategy, job.target)
+        handoff.push(strategy.start(handoff.header))
+        self.links.start(handoff, choice.lanes if streaming else 1)
+        return handoff
+
+    def _on_prefill_done(self, job: _Job, result: PrefillResult | Exception) -> None:
+        if self.jobs.get(job.request_id) is not job:  # cancelled meanwhile
+            self._abort_handoff(job, "cancelled")
+            return
+        self.metrics.prefill_time.observe(time.monotonic() - job.submitted_s)
+        if isinstance(result, Exception):
+            self._abort_handoff(job, "prefill failed")
+            code = getattr(result, "code", None) or "engine_error"
+            self._finish(job, ErrorFrame(code, str(result), job.request_id), "engine_error")
+            return
+        self._prompt_tokens += len(job.request.prompt_tokens)
+        first = Result(job.request_id, 0, [result.first_token], result.finish_reason, 1)
+        if result.finish_reason is not None:
+            self._abort_handoff(job, "first token ended the request")
+            self._finish(job, first, "finished_at_first_token")
+            return
+        job.owner.put(first.to_frame())
+        job.result, job.first_token_s = result, time.monotonic()
+        self.scheduler.on_prefill_done(job.request_id, time.monotonic(), job.target)
+        job.handoff.finish(result.first_token)
+        job.waiter = self._spawn(self._await_handoff(job))
+        self._pump()
+
+    # -- handoff -----------------------------------------------------------------------
+
+    async def _await_handoff(self, job: _Job) -> None:
+        while job.handoff is not None:  # one pass per attempt; the scheduler bounds retries
+            handoff, error, code = job.handoff, "", ""
+            try:
+                remaining = self._deadline_s(job) - time.monotonic()
+                ack = await asyncio.wait_for(asyncio.shield(handoff.ack), max(remaining, 0.0))
+                if ack.ok:
+                    self._on_acked(job, handoff)
+                    return
+                error, code = ack.error or "refused", ack.error_code or "handoff_failed"
+            except TimeoutError:
+                error, code = "no ack before transfer_timeout_s", "transfer_timeout"
+            except MlxcelError as exc:
+                error, code = exc.message, exc.code or "handoff_failed"
+            if not await self._retry(job, code, error):
+                return
+
+    def _deadline_s(self, job: _Job) -> float:
+        return job.first_token_s + self.parts.transfer_config.transfer_timeout_s
+
+    def _on_acked(self, job: _Job, handoff: OutgoingHandoff) -> None:
+        elapsed = time.monotonic() - job.first_token_s
+        self.metrics.handoff_time.observe(elapsed)
+        self.metrics.handoff_bytes.observe(handoff.sent_bytes)
+        self.bandwidth.observe(job.target, handoff.sent_bytes, time.monotonic() - handoff.started_s)
+        self.scheduler.on_handoff_acked(job.request_id)
+        self._forget(job, "handed_off")
+
+    async def _retry(self, job: _Job, code: str, error: str) -> bool:
+        """Start the next attempt, or report the failure; True when retrying."""
+        logger.info("%s: handoff of %s to %s failed: %s (%s)", self.node_id, job.request_id,
+                    job.target, code, error)
+        self._abort_handoff(job, code)
+        alternatives = () if job.pinned else tuple(p for p in self.parts.decode_peers)
+        decision = self.scheduler.on_handoff_failed(
+            job.request_id, time.monotonic(), alternatives=alternatives,
+            target_lost=code == "decode_node_lost")
+        if code in FINAL_REFUSALS or not decision.retry:
+            self.scheduler.release(job.request_id)
+            reason = code if code in FINAL_REFUSALS else decision.reason
+            self.metrics.handoff_failures.labels(reason).inc()
+            text = f"KV handoff failed: {code}: {error}"
+            failed = Result(job.request_id, 1, [], "error", 1, text)
+            self._finish(job, failed, "handoff_failed")
+            return False
+        self.metrics.handoff_retries.inc()
+        if code == "at_capacity":
+            await asyncio.sleep(self.parts.scheduler_config.retry_after_s)
+        if self.jobs.get(job.request_id) is not job:
+            return False
+        job.target = decision.target or job.target
+        job.handoff = self._begin_handoff(job, decision.attempt, streaming=False,
+                                          first_token=job.result.first_token)
+        for index, layer in enumerate(job.result.cache.layers):
+            job.handoff.add_layer(index, layer)
+        job.handoff.finish(job.result.first_token)
+        return True
+
+    def _abort_handoff(self, job: _Job, reason: str) -> None:
+        handoff = job.handoff
+        if handoff is None:
+            return
+        if not handoff.ack.done():
+            handoff.fail(MlxcelError(reason, code="cancelled"))
+            self._spawn(self.links.cancel_on_target(handoff, reason))
+        handoff.aborted = True
+
+    # -- ending ------------------------------------------------------------------------
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return
+        self.engine.cancel(request_id)  # a queued prefill is dropped; a running one finishes
+        self._abort_handoff(job, reason)
+        if job.waiter is not None:
+            job.waiter.cancel()
+        self._forget(job, "cancelled")
+
+    def _finish(self, job: _Job, frame: Result | ErrorFrame, outcome: str) -> None:
+        job.owner.put(frame.to_frame())
+        self._forget(job, outcome)
+
+    def _forget(self, job: _Job, outcome: str) -> None:
+        """Free the KV copy and every trace of the request."""
+        if self.jobs.get(job.request_id) is job:
+            del self.jobs[job.request_id]
+            self.metrics.requests.labels(outcome).inc()
+        self.scheduler.release(job.request_id)
+        job.result, job.handoff = None, None
+        self._pump()
+
+    async def housekeeping(self) -> None:
+        """Backstop for handoffs past ``transfer_timeout_s`` (the waiter normally ends them)."""
+        while True:  # cancelled at shutdown
+            await asyncio.sleep(HOUSEKEEPING_S)
+            for request_id in self.scheduler.expired(time.monotonic()):
+                job = self.jobs.get(request_id)
+                if job is not None and job.waiter is None:
+                    self._forget(job, "transfer_timeout")
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        for request_id in list(self.jobs):
+            self.cancel(request_id, "node shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await self.links.close()

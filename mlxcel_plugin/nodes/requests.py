@@ -1,0 +1,45 @@
+"""REQUEST frames → engine requests, with every field a peer controls checked (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from mlxcel_plugin.engine_api import GenerationRequest, SamplingParams
+from mlxcel_plugin.errors import InvalidRequestError
+from mlxcel_plugin.frames import Request
+
+MAX_STOP_TOKEN_IDS = 1024
+_INT_FIELDS = frozenset({"top_k", "seed"})
+
+
+def sampling_params(data: Mapping[str, Any]) -> SamplingParams:
+    """Known sampling fields, type-checked; unknown keys (newer routers) are ignored."""
+    values: dict[str, Any] = {}
+    for spec in fields(SamplingParams):
+        value = data.get(spec.name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequestError(f"sampling.{spec.name} must be a number", param="sampling")
+        if spec.name in _INT_FIELDS and not isinstance(value, int):
+            raise InvalidRequestError(f"sampling.{spec.name} must be an integer", param="sampling")
+        values[spec.name] = value if spec.name in _INT_FIELDS else float(value)
+    return SamplingParams(**values)
+
+
+def generation_request(frame: Request) -> GenerationRequest:
+    if frame.max_tokens < 1:
+        raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+    if len(frame.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("too many stop_token_ids", param="stop_token_ids")
+    if not frame.claim and not frame.prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    return GenerationRequest(
+        request_id=frame.request_id,
+        prompt_tokens=tuple(frame.prompt_token_ids),
+        max_tokens=frame.max_tokens,
+        sampling=sampling_params(frame.sampling),
+        stop_token_ids=tuple(frame.stop_token_ids),
+    )

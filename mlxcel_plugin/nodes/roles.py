@@ -1,0 +1,181 @@
+"""``run_prefill`` / ``run_decode``: the role entry points (``mlxcel_register_roles``).
+
+Each loads the cluster secret (refusing to start without one), builds the
+engine through the plugin registry, serves links on ``--serving-bind`` and
+``/health`` + ``/metrics`` on ``--host:--port``, and shuts down cleanly on
+SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
+from mlxcel_plugin.engine_api import Engine, EngineConfig
+from mlxcel_plugin.kv_codecs import resolve_codec
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
+from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
+from mlxcel_plugin.nodes.ops_http import OpsRoutes, serve_ops_http
+from mlxcel_plugin.nodes.prefill_node import PrefillNode, PrefillNodeParts
+from mlxcel_plugin.nodes.telemetry import send_telemetry
+from mlxcel_plugin.plugins import PluginRegistry
+from mlxcel_plugin.scheduling import DecodeSchedulerConfig, PrefillSchedulerConfig
+from mlxcel_plugin.secret import ClusterSecret, require_cluster_secret
+from mlxcel_plugin.transfer import AUTO, TransferConfig
+
+logger = logging.getLogger(__name__)
+
+UNCHUNKED_TOKENS = 1 << 30
+TELEMETRY_SECTION = "node"
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """TOML section ``[node]``: settings both node kinds share."""
+
+    telemetry_interval_s: float = 0.5
+    max_links: int = 64
+
+
+def transfer_config(config: ServerConfig) -> TransferConfig:
+    return TransferConfig.from_dict(dict(config.section("transfer")))
+
+
+def prefill_scheduler_config(config: ServerConfig,
+                             transfer: TransferConfig) -> PrefillSchedulerConfig:
+    """``[prefill_scheduler]`` over the engine's chunking; ``[transfer]`` timeout wins."""
+    section = dict(config.section("prefill_scheduler"))
+    base = asdict(PrefillSchedulerConfig.from_engine_config(config.engine_config))
+    if "transfer_timeout_s" in config.section("transfer"):
+        section["transfer_timeout_s"] = transfer.transfer_timeout_s
+    return dataclass_from_mapping(PrefillSchedulerConfig, {**base, **section},
+                                  "[prefill_scheduler]")
+
+
+def prefill_engine_config(config: ServerConfig, sched: PrefillSchedulerConfig) -> EngineConfig:
+    """The engine chunks as the scheduler says (hybrid must use the same chunk size)."""
+    chunk = sched.chunk_size_tokens if sched.chunked_prefill_enabled else UNCHUNKED_TOKENS
+    return replace(config.engine_config, chunk_size_tokens=chunk)
+
+
+def decode_scheduler_config(config: ServerConfig) -> DecodeSchedulerConfig:
+    base = asdict(DecodeSchedulerConfig.from_engine_config(config.engine_config))
+    return dataclass_from_mapping(DecodeSchedulerConfig,
+                                  {**base, **config.section("decode_scheduler")},
+                                  "[decode_scheduler]")
+
+
+def node_settings(config: ServerConfig) -> NodeSettings:
+    return dataclass_from_mapping(NodeSettings, config.section(TELEMETRY_SECTION), "[node]")
+
+
+def _check_transfer_names(transfer: TransferConfig, registry: PluginRegistry) -> None:
+    """Unknown strategy or codec names fail at startup, listing the registered ones."""
+    if transfer.strategy != AUTO:
+        registry.get("transfer_strategy", transfer.strategy)
+    if transfer.codec != AUTO:
+        resolve_codec(transfer.codec, registry.entries.get("kv_codec", {}))
+
+
+def _build_engine(config: ServerConfig, registry: PluginRegistry,
+                  engine_config: EngineConfig) -> Engine:
+    return registry.get("engine", config.engine)(config.model, engine_config)
+
+
+# -- prefill --------------------------------------------------------------------------
+
+
+def run_prefill(config: ServerConfig, registry: PluginRegistry) -> None:
+    secret = require_cluster_secret("prefill", config.cluster_secret_file, os.environ)
+    transfer = transfer_config(config)
+    _check_transfer_names(transfer, registry)
+    sched = prefill_scheduler_config(config, transfer)
+    engine = _build_engine(config, registry, prefill_engine_config(config, sched))
+    parts = PrefillNodeParts(
+        engine=engine, scheduler_config=sched,
+        transfer_config=replace(transfer, transfer_timeout_s=sched.transfer_timeout_s),
+        strategies=registry.entries.get("transfer_strategy", {}),
+        codecs=registry.entries.get("kv_codec", {}), decode_peers=config.decode_peers,
+        kv_budget_bytes=config.engine_config.kv_memory_bytes,
+    )
+
+    def build() -> PrefillNode:
+        node_id = config.effective_node_id
+        return PrefillNode(parts, DecodeLinks(secret, node_id), node_id)
+
+    asyncio.run(_serve_node(config, secret, engine, build, {"router"}))
+
+
+# -- decode ---------------------------------------------------------------------------
+
+
+def run_decode(config: ServerConfig, registry: PluginRegistry) -> None:
+    secret = require_cluster_secret("decode", config.cluster_secret_file, os.environ)
+    transfer = transfer_config(config)
+    engine = _build_engine(config, registry, config.engine_config)
+    parts = DecodeNodeParts(engine=engine, scheduler_config=decode_scheduler_config(config),
+                            codecs=registry.entries.get("kv_codec", {}),
+                            transfer_timeout_s=transfer.transfer_timeout_s)
+    build = lambda: DecodeNode(parts, config.effective_node_id)  # noqa: E731
+    asyncio.run(_serve_node(config, secret, engine, build, {"router", "prefill"}))
+
+
+# -- shared serving loop --------------------------------------------------------------
+
+
+async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engine,
+                      build: Callable[[], Any], accept_roles: set[str]) -> None:
+    # start() may warm up for seconds: keep the loop free (signals) meanwhile.
+    await asyncio.to_thread(engine.start)
+    node = build()
+    settings = node_settings(config)
+    on_link = _with_telemetry(node.serve, node.telemetry, settings.telemetry_interval_s)
+    links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
+                              accept_roles, on_link, max_links=settings.max_links)
+    ops = await serve_ops_http(config.host, config.port,
+                               OpsRoutes(node.health, node.metrics.render))
+    housekeeping = asyncio.create_task(node.housekeeping(), name="housekeeping")
+    logger.info("%s node %s: links on %s, health/metrics on http://%s:%d", config.role,
+                node.node_id, links.address, config.host, config.port)
+    try:
+        await _until_signalled()
+    finally:
+        logger.info("%s node %s shutting down", config.role, node.node_id)
+        housekeeping.cancel()
+        ops.close()
+        await node.close()
+        await links.close()
+        await asyncio.to_thread(engine.close)
+
+
+def _with_telemetry(serve: Callable[[Link], Awaitable[None]], snapshot: Callable[[], Any],
+                    interval_s: float) -> Callable[[Link], Awaitable[None]]:
+    async def on_link(link: Link) -> None:
+        telemetry = None
+        if link.peer_role == "router":
+            telemetry = asyncio.create_task(send_telemetry(link, snapshot, interval_s))
+        try:
+            await serve(link)
+        finally:
+            if telemetry is not None:
+                telemetry.cancel()
+
+    return on_link
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):  # no signal handlers off the main thread
+            loop.add_signal_handler(signum, stop.set)
+    await stop.wait()

@@ -1,0 +1,34 @@
+"""Reference tokens from the engine's single-process ``generate`` (the hybrid path).
+
+``python -m tests.integration.hybrid_reference MODEL`` reads a JSON list of
+requests on stdin and prints a JSON map request_id -> tokens. It runs in its
+own process with the same BLAS preload as the nodes, so the numbers match.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engines.mlx_engine import MlxEngine
+from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, SamplingParams
+from tests.engines import support
+
+
+def main() -> None:
+    engine = MlxEngine.from_path(sys.argv[1], EngineConfig(warmup=False))
+    engine.start()
+    tokens = {}
+    try:
+        for item in json.load(sys.stdin):
+            request = GenerationRequest(item["request_id"], tuple(item["prompt"]),
+                                        item["max_tokens"],
+                                        SamplingParams.from_dict(item.get("sampling", {})))
+            tokens[request.request_id] = support.generate(engine, request).tokens
+    finally:
+        engine.close()
+    print(json.dumps(tokens))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The node roles' sans-I/O pieces: frame mapping, request checks, HTTP routing, fake engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from mlxcel_plugin.engine_api import CacheState, GenerationRequest, SamplingParams
+from mlxcel_plugin.errors import EngineError, InvalidRequestError
+from mlxcel_plugin.frames import FrameType, Request
+from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
+from mlxcel_plugin.nodes.kv_wire import end_first_token, frame_to_message, message_to_frame
+from mlxcel_plugin.nodes.metrics import DecodeMetrics
+from mlxcel_plugin.nodes.ops_http import OpsRoutes, parse_request_line, render, respond
+from mlxcel_plugin.nodes.requests import generation_request, sampling_params
+from mlxcel_plugin.testing.fake_engine import (
+    FakeEngine,
+    FakeEngineSettings,
+    expected_tokens,
+    make_layer,
+    prompt_from_cache,
+)
+
+
+def test_kv_messages_map_onto_frames_and_back():
+    end = KVMessage("end", {"handoff_id": "h", "epoch": 1}, b"")
+    frame = message_to_frame(end, first_token=42)
+    assert frame.type is FrameType.KV_END and end_first_token(frame) == 42
+    assert frame_to_message(frame).kind == "end"
+    chunk = message_to_frame(KVMessage("chunk", {"a": 1}, b"xy"), first_token=42)
+    assert "first_token" not in chunk.header and bytes(chunk.body) == b"xy"
+
+
+def test_a_bad_first_token_is_a_named_refusal():
+    frame = message_to_frame(KVMessage("end", {"first_token": "x"}))
+    with pytest.raises(MalformedHandoff):
+        end_first_token(frame)
+    with pytest.raises(MalformedHandoff):
+        frame_to_message(Request("r", [1]).to_frame())
+
+
+def test_request_fields_are_checked():
+    request = generation_request(Request("r", [1, 2], {"temperature": 0.5, "seed": 3}, 4, [9]))
+    assert request.sampling == SamplingParams(temperature=0.5, seed=3)
+    assert request.stop_token_ids == (9,)
+    assert generation_request(Request("c", [], claim=True)).prompt_tokens == ()
+    for bad in (Request("r", []), Request("r", [1], max_tokens=0)):
+        with pytest.raises(InvalidRequestError):
+            generation_request(bad)
+    for sampling in ({"temperature": "hot"}, {"seed": 1.5}, {"top_k": True}):
+        with pytest.raises(InvalidRequestError):
+            sampling_params(sampling)
+
+
+def test_ops_http_routes():
+    routes = OpsRoutes(lambda: {"status": "ok"}, lambda: (b"m 1\n", "text/plain"))
+    assert parse_request_line(b"GET /health?x=1 HTTP/1.1\r\nHost: a\r\n\r\n") == ("GET", "/health")
+    assert parse_request_line(b"garbage\r\n\r\n") is None
+    status, body, _ = respond(routes, "GET", "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    assert respond(routes, "GET", "/metrics")[:2] == (200, b"m 1\n")
+    assert respond(routes, "POST", "/health")[0] == 405
+    assert respond(routes, "GET", "/nope")[0] == 404
+    assert render(200, b"abc", "text/plain").endswith(b"Content-Length: 3\r\n"
+                                                      b"Connection: close\r\n\r\nabc")
+
+
+def test_decode_metrics_use_mlxcel_names():
+    metrics = DecodeMetrics(lambda: 2, lambda: 3, lambda: 100, lambda: 50)
+    metrics.tpot.observe(0.01)
+    text = metrics.render()[0].decode()
+    for name in ("mlxcel:time_per_output_token_seconds_count 1.0",
+                 "mlxcel:decode_ingestion_queue_depth 2.0", "mlxcel:decode_batch_size 3.0",
+                 "mlxcel:kv_cache_bytes 100.0"):
+        assert name in text
+
+
+def test_fake_cache_encodes_the_prompt_and_detects_damage():
+    settings = FakeEngineSettings()
+    layers = [make_layer((5, 6, 7), i, settings) for i in range(settings.num_layers)]
+    assert prompt_from_cache(CacheState(layers)) == (5, 6, 7)
+    layers[2].keys[0, 1, 0, 3] = 0.5
+    with pytest.raises(EngineError):
+        prompt_from_cache(CacheState(layers))
+
+
+def collect(engine: FakeEngine, call) -> list:
+    events, done = [], threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if event.finish_reason is not None:
+            done.set()
+
+    call(emit)
+    assert done.wait(5)
+    return events
+
+
+def test_fake_engine_split_run_equals_generate():
+    engine = FakeEngine(FakeEngineSettings())
+    engine.start()
+    try:
+        request = GenerationRequest("r", (4, 5, 6), 6, SamplingParams(temperature=1.0, seed=9))
+        whole = collect(engine, lambda emit: engine.generate(request, emit))
+        results, layers, done = [], [], threading.Event()
+        engine.prefill(request, lambda r: (results.append(r), done.set()),
+                       lambda i, layer: layers.append(i))
+        assert done.wait(5)
+        first = results[0]
+        rest = collect(engine, lambda emit: engine.decode(request, first.first_token,
+                                                          first.cache, emit))
+    finally:
+        engine.close()
+    tokens = [first.first_token] + [e.token_id for e in rest if e.token_id is not None]
+    assert tokens == [e.token_id for e in whole] == expected_tokens(request)
+    assert layers == [0, 1, 2, 3] and rest[0].index == 1
