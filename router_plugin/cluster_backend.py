@@ -26,7 +26,13 @@ from typing import Any
 
 from mlxcel_plugin.config import dataclass_from_mapping
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
-from mlxcel_plugin.errors import AtCapacityError, NodeLostError, NoHealthyNodeError
+from mlxcel_plugin.errors import (
+    AtCapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    NodeLostError,
+    NoHealthyNodeError,
+)
 from mlxcel_plugin.frames import Request
 from mlxcel_plugin.stream_bridge import (
     DECODE,
@@ -44,6 +50,12 @@ from router_plugin.stats import RouterStats
 logger = logging.getLogger(__name__)
 
 AT_CAPACITY_CODES = frozenset({AtCapacityError.code, NoHealthyNodeError.code})
+# A node's refusal that is the client's fault: the same 400 a single node would give.
+CLIENT_ERRORS: dict[str, type[InvalidRequestError]] = {
+    InvalidRequestError.code: InvalidRequestError,
+    ContextLengthError.code: ContextLengthError,
+    "prompt_too_long": ContextLengthError,
+}
 
 
 @dataclass(frozen=True)
@@ -278,6 +290,8 @@ class RoutedRequest:
             return []
         if event.lost and event.source == PREFILL and self.bridge.emitted_any_token:
             return []  # D owns the sequence now; it errors the claim if the KV never came
+        if event.code in CLIENT_ERRORS and not self.bridge.emitted_any_token:
+            raise CLIENT_ERRORS[event.code](f"{event.node_id} refused the request: {event.error}")
         if event.code in AT_CAPACITY_CODES and not self.bridge.emitted_any_token:
             raise AtCapacityError(f"{event.node_id} at capacity: {event.error}")
         if event.lost:

@@ -70,15 +70,27 @@ class FakeEngineSettings:
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
     context_length: int = 4096
+    # Prompt ids up to this are accepted: a real tokenizer's vocabulary (the
+    # router tokenizes with it), while generated ids stay below VOCAB_SIZE.
+    input_vocab_size: int = VOCAB_SIZE
 
     @classmethod
     def from_dir(cls, model_dir: str | Path | None) -> FakeEngineSettings:
-        path = Path(model_dir) / CONFIG_FILE if model_dir else None
-        if path is None or not path.is_file():
+        if not model_dir:
             return cls()
-        data = json.loads(path.read_text())
+        data = {"input_vocab_size": _checkpoint_vocab_size(Path(model_dir))}
+        path = Path(model_dir) / CONFIG_FILE
+        if path.is_file():
+            data.update(json.loads(path.read_text()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _checkpoint_vocab_size(model_dir: Path) -> int:
+    config = model_dir / "config.json"
+    if not config.is_file():
+        return VOCAB_SIZE
+    return max(VOCAB_SIZE, int(json.loads(config.read_text()).get("vocab_size", VOCAB_SIZE)))
 
 
 def next_token(prompt: tuple[int, ...], index: int, seed: int | None) -> int:
@@ -159,7 +171,7 @@ class FakeEngine:
             },
             context_length=settings.context_length,
             eos_token_ids=(EOS_TOKEN_ID,),
-            vocab_size=VOCAB_SIZE,
+            vocab_size=settings.input_vocab_size,
         )
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._prefills: list[_Prefill] = []
@@ -263,7 +275,8 @@ class FakeEngine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if request.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= VOCAB_SIZE:
+        vocab = self.settings.input_vocab_size
+        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
             raise InvalidRequestError("prompt token id out of range", param="prompt")
         if len(request.prompt_tokens) >= self.settings.context_length:
             raise ContextLengthError(f"prompt of {len(request.prompt_tokens)} tokens is too long")
