@@ -44,6 +44,7 @@ from router_plugin.backend import TokenBackend
 from router_plugin.generation import Generation
 from router_plugin.metrics import CONTENT_TYPE, FrontMetrics
 from router_plugin.openai_schema import (
+    ChatParams,
     CommonParams,
     parse_chat_request,
     parse_completion_request,
@@ -177,19 +178,7 @@ class OpenAIFront:
     async def chat_completions(self, request: Request) -> Response:
         arrival_s = time.perf_counter()
         params = parse_chat_request(parse_json_body(await request.body()))
-        self._check_model(params.common.model)
-        prompt_text = self.tokenizer.render_chat(
-            params.messages, tools=params.tools, template_kwargs=params.template_kwargs
-        )
-        prompt = self.tokenizer.encode_chat(prompt_text)
-        stream_filter = StreamFilter(
-            self.markers, start_in_reasoning=prompt_opens_reasoning(prompt_text, self.markers)
-        )
-        job = self._job(
-            responses.CHAT, prompt, params.common, arrival_s,
-            stream_filter=stream_filter, parse_tools=params.tools is not None,
-        )  # fmt: skip
-        return await self._serve(request, job)
+        return await self._serve(request, self.plan_chat(params, arrival_s))
 
     async def completions(self, request: Request) -> Response:
         arrival_s = time.perf_counter()
@@ -215,6 +204,24 @@ class OpenAIFront:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # request planning
+
+    def plan_chat(self, params: ChatParams, arrival_s: float) -> Job:
+        """Chat template, tokens, stream filter and budget (shared with the LiteLLM provider)."""
+        self._check_model(params.common.model)
+        prompt_text = self.tokenizer.render_chat(
+            params.messages, tools=params.tools, template_kwargs=params.template_kwargs
+        )
+        prompt = self.tokenizer.encode_chat(prompt_text)
+        stream_filter = StreamFilter(
+            self.markers, start_in_reasoning=prompt_opens_reasoning(prompt_text, self.markers)
+        )
+        return self._job(
+            responses.CHAT, prompt, params.common, arrival_s,
+            stream_filter=stream_filter, parse_tools=params.tools is not None,
+        )  # fmt: skip
+
+    def generation(self, job: Job) -> Generation:
+        return Generation(self.backend, job.request, job.pipeline, self.metrics, job.arrival_s)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -270,11 +277,8 @@ class OpenAIFront:
 
     # serving
 
-    def _generation(self, job: Job) -> Generation:
-        return Generation(self.backend, job.request, job.pipeline, self.metrics, job.arrival_s)
-
     async def _serve(self, request: Request, job: Job) -> Response:
-        generation = self._generation(job)
+        generation = self.generation(job)
         try:
             if not job.stream:
                 body = await run_until_disconnect(request, self._complete(job, generation))
