@@ -15,10 +15,10 @@ install_openblas() {
 }
 
 pick_python() {
-  for candidate in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
+  for candidate in "${PYTHON:-}" python3 python3.13 python3.12 python3.11; do
     [ -n "$candidate" ] || continue
     command -v "$candidate" >/dev/null || continue
-    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
       echo "$candidate"; return 0
     fi
   done
