@@ -20,6 +20,7 @@ from mlxcel_plugin import openblas
 from mlxcel_plugin.config import ROLES, ServerConfig, build_config
 from mlxcel_plugin.errors import ConfigError, MlxcelError
 from mlxcel_plugin.plugins import load_plugins
+from mlxcel_plugin.secret import require_cluster_secret
 
 PROG = "mlxcel-server"
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
@@ -99,6 +100,8 @@ def run(argv: Sequence[str]) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Fail fast, before any model is loaded or converted.
+    require_cluster_secret(config.role, config.cluster_secret_file, os.environ)
     maybe_reexec_with_openblas(config, argv)
     config = resolve_model(config)
     registry = load_plugins()
