@@ -1,0 +1,552 @@
+"""KV handoff throughput end to end vs raw loopback TCP, between the same two processes.
+
+One handoff = the sender's transfer strategy (KVWriter: slicing + crc32) →
+link frames (AES-256-GCM, bulk channel) → the receiver's KVAssembler (decode
+into per-layer buffers + crc32 check) → ``mx.array`` per layer, evaluated.
+The clock runs from the strategy's ``start`` to the receiver's KV_ACK, sent
+once the MLX arrays exist. Each repeat alternates every path so all see the
+same machine load; ratios are taken per repeat against that repeat's raw TCP.
+
+Paths (sender = this process, receiver = one spawned process for all of them):
+
+* raw TCP: ``sendall`` of the cache's bytes, receiver ``recv_into`` a reused buffer
+* link bytes: the same bytes as 4 MiB KV_CHUNK frames on a link, no KV serde
+  (separates the link's cost from the KV layer's)
+* full / streamed / layer-parallel xN: the whole KV path above
+
+The cache is synthetic, shaped like SmolLM2-135M's (30 layers x 3 KV heads x
+64 head dim), Gaussian noise, T chosen so K+V reach the size. Receiver-side
+phase times (assembler feed, final feed = checksum verify, mx.array) come back
+in the ack; they locate the KV path's own costs.
+
+Usage: python loadtests/bench_kv_handoff.py [--quick] [--json PATH] [--sizes 64,256]
+       [--dtypes float32,float16] [--repeats 3] [--lanes 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import socket
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench_common import add_common_args, bench_result, table, write_json
+
+from mlxcel_plugin.engine_api import CacheState
+from mlxcel_plugin.frames import Frame, FrameType, kv_frame
+from mlxcel_plugin.kv_codecs import builtin_codecs
+from mlxcel_plugin.kv_serde import (
+    HandoffHeader,
+    KVAssembler,
+    KVMessage,
+    ModelFingerprint,
+    SerializableCacheState,
+)
+from mlxcel_plugin.link import Link, LinkConfig
+from mlxcel_plugin.link_bulk import SOCKET_BUFFER_BYTES
+from mlxcel_plugin.link_dial import dial_link
+from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
+from mlxcel_plugin.transfer import (
+    FULL,
+    LAYER_PARALLEL,
+    STREAMED,
+    FullTransfer,
+    LayerParallelTransfer,
+    StreamedTransfer,
+    TransferStrategy,
+    make_strategy,
+)
+
+MIB = 1 << 20
+SECRET = bytes(range(32))  # fixed: the spawned receiver re-imports this module
+LOOPBACK = "127.0.0.1"
+ACK_TIMEOUT_S = 120.0
+LINK_BYTES_CHUNK = 4 * MIB
+_LEN = struct.Struct(">Q")
+STRATEGIES = {FULL: FullTransfer, STREAMED: StreamedTransfer, LAYER_PARALLEL: LayerParallelTransfer}
+CODECS = builtin_codecs()
+# A streamed handoff's begin goes out before prefill samples the first token; like the
+# prefill node, the token then travels with KV_END (the receiver prefers it).
+END_FIRST_TOKEN = "first_token"
+
+
+# ---------------------------------------------------------------- receiver process
+
+
+@dataclass
+class _Ingest:
+    assembler: KVAssembler
+    started_s: float
+    feed_s: float = 0.0
+    first_token: int | None = None  # from KV_END, when the sender put it there
+
+
+@dataclass
+class KVSink:
+    """Receives KV frames of any number of handoffs on any lanes; returns finished caches.
+
+    The local fingerprint is taken from the first begin (this receiver serves
+    whichever model the sender has; a decode node would check its own).
+    """
+
+    codecs: Mapping[str, Any] = field(default_factory=builtin_codecs)
+    ingests: dict[str, _Ingest] = field(default_factory=dict)
+
+    def feed(self, frame: Frame) -> tuple[str, SerializableCacheState, dict[str, float]] | None:
+        kind = {FrameType.KV_BEGIN: "begin", FrameType.KV_CHUNK: "chunk", FrameType.KV_END: "end"}[
+            frame.type
+        ]
+        handoff_id = str(frame.header["handoff_id"])
+        message = KVMessage(kind, frame.header, frame.body)
+        ingest = self.ingests.get(handoff_id)
+        if ingest is None:
+            fingerprint = HandoffHeader.from_message(message).fingerprint
+            ingest = _Ingest(KVAssembler(fingerprint, self.codecs), time.perf_counter())
+            self.ingests[handoff_id] = ingest
+        start = time.perf_counter()
+        state = ingest.assembler.feed(message)
+        elapsed = time.perf_counter() - start
+        ingest.feed_s += elapsed
+        if kind == "end" and END_FIRST_TOKEN in frame.header:
+            ingest.first_token = int(frame.header[END_FIRST_TOKEN])
+        if state is None:
+            return None
+        del self.ingests[handoff_id]
+        first = state.header.first_token if ingest.first_token is None else ingest.first_token
+        phases = {
+            "feed_s": ingest.feed_s,
+            "complete_s": elapsed,
+            "receive_s": time.perf_counter() - ingest.started_s,
+            "first_token": first,
+        }
+        return handoff_id, state, phases
+
+
+def to_mlx(cache: CacheState) -> list[tuple[Any, Any]]:
+    """The decode node's deserialization: one ``mx.array`` per tensor, evaluated."""
+    import mlx.core as mx
+
+    arrays = [(mx.array(layer.keys), mx.array(layer.values)) for layer in cache.layers]
+    mx.eval(arrays)
+    return arrays
+
+
+async def _serve_kv_link(link: Link, sink: KVSink) -> None:
+    """Assemble handoffs off this link; ack each on the link that completed it."""
+    received = 0
+    async for frame in link:  # until the sender closes the link
+        if frame.type is FrameType.KV_CHUNK and frame.header.get("bytes_only"):
+            received += len(frame.body)
+            if frame.header.get("last"):
+                await link.send(kv_frame(FrameType.KV_ACK, {"bytes": received}))
+                received = 0
+            continue
+        if frame.type not in (FrameType.KV_BEGIN, FrameType.KV_CHUNK, FrameType.KV_END):
+            continue
+        done = sink.feed(frame)
+        if done is None:
+            continue
+        handoff_id, state, phases = done
+        start = time.perf_counter()
+        to_mlx(state.cache)
+        phases["mlx_s"] = time.perf_counter() - start
+        await link.send(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
+
+
+def _raw_server(listener: socket.socket) -> None:
+    """Raw TCP ceiling: a length, then that many bytes into a reused buffer, then one ack byte."""
+    buffer = bytearray()
+    while True:  # one connection per measurement; ends when the listener closes
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            tune_socket(conn)
+            _serve_raw_conn(conn, buffer)
+
+
+def _serve_raw_conn(conn: socket.socket, buffer: bytearray) -> None:
+    header = bytearray(_LEN.size)
+    while _recv_into(conn, memoryview(header)):  # until the sender closes
+        (size,) = _LEN.unpack(header)
+        if len(buffer) < size:
+            buffer.extend(bytes(size - len(buffer)))
+        if not _recv_into(conn, memoryview(buffer)[:size]):
+            return
+        conn.sendall(b"k")
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):  # bounded: each pass reads >= 1 byte or returns
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def receiver_main(port_q: Any) -> None:
+    """Entry point of the receiving process (raw TCP listener + link server)."""
+    listener = socket.create_server((LOOPBACK, 0))
+    threading.Thread(target=_raw_server, args=(listener,), daemon=True).start()
+    sink = KVSink()
+
+    async def main() -> None:
+        server = await serve_links(
+            f"{LOOPBACK}:0",
+            SECRET,
+            "decode",
+            "bench-decode",
+            {"prefill"},
+            lambda link: _serve_kv_link(link, sink),
+            config=bench_link_config(),
+        )
+        port_q.put((listener.getsockname()[1], server.port))
+        await asyncio.sleep(3600)  # the parent terminates us
+
+    asyncio.run(main())
+
+
+def bench_link_config() -> LinkConfig:
+    # Keepalive pings off: a ping answered late under load must not close a busy link.
+    return LinkConfig(ping_interval_s=None, ping_timeout_s=None)
+
+
+# ---------------------------------------------------------------- sender side
+
+
+@dataclass
+class Peer:
+    """The sender's end: a raw TCP address and links (lane i = links[i]) to one receiver."""
+
+    process: mp.process.BaseProcess
+    raw_port: int
+    link_port: int
+    raw: socket.socket | None = None
+    links: list[Link] = field(default_factory=list)
+    acks: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def ensure_links(self, count: int) -> list[Link]:
+        while len(self.links) < count:  # one dial per missing lane
+            link = await dial_link(
+                f"{LOOPBACK}:{self.link_port}",
+                SECRET,
+                "prefill",
+                "bench-prefill",
+                config=bench_link_config(),
+            )
+            self.links.append(link)
+            self.readers.append(asyncio.create_task(self._read_acks(link)))
+        return self.links[:count]
+
+    async def _read_acks(self, link: Link) -> None:
+        async for frame in link:  # until the link closes
+            if frame.type is FrameType.KV_ACK:
+                self.acks.put_nowait(frame.header)
+
+    async def next_ack(self) -> dict[str, Any]:
+        return await asyncio.wait_for(self.acks.get(), ACK_TIMEOUT_S)
+
+    def raw_conn(self) -> socket.socket:
+        if self.raw is None:
+            self.raw = raw_connect(self.raw_port)
+        return self.raw
+
+    async def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+        for link in self.links:
+            await link.close()
+        for task in self.readers:
+            task.cancel()
+        self.process.terminate()
+        self.process.join(timeout=10)
+
+
+def start_peer() -> Peer:
+    port_q: mp.Queue = mp.get_context("spawn").Queue()
+    process = mp.get_context("spawn").Process(target=receiver_main, args=(port_q,), daemon=True)
+    process.start()
+    raw_port, link_port = port_q.get(timeout=120)
+    return Peer(process, raw_port, link_port)
+
+
+def tensor_views(cache: CacheState) -> list[memoryview]:
+    return [memoryview(t).cast("B") for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def raw_connect(port: int) -> socket.socket:
+    """One long-lived connection, tuned like the link's bulk channel (same ceiling)."""
+    conn = socket.create_connection((LOOPBACK, port))
+    tune_socket(conn)
+    return conn
+
+
+def tune_socket(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def raw_tcp_once(conn: socket.socket, views: Sequence[memoryview]) -> float:
+    """Seconds to push the cache's bytes over the raw connection and get the ack."""
+    start = time.perf_counter()
+    conn.sendall(_LEN.pack(sum(len(v) for v in views)))
+    for view in views:
+        conn.sendall(view)
+    if conn.recv(1) != b"k":
+        raise RuntimeError("raw receiver did not ack")
+    return time.perf_counter() - start
+
+
+async def link_bytes_once(peer: Peer, views: Sequence[memoryview]) -> float:
+    """The link alone: the same bytes as 4 MiB frames, no KV serde on either side."""
+    (link,) = await peer.ensure_links(1)
+    start = time.perf_counter()
+    for i, view in enumerate(views):
+        for offset in range(0, len(view), LINK_BYTES_CHUNK):
+            last = i == len(views) - 1 and offset + LINK_BYTES_CHUNK >= len(view)
+            body = view[offset : offset + LINK_BYTES_CHUNK]
+            await link.send(kv_frame(FrameType.KV_CHUNK, {"bytes_only": True, "last": last}, body))
+    await peer.next_ack()
+    return time.perf_counter() - start
+
+
+@dataclass
+class HandoffTiming:
+    total_s: float
+    plan_s: float  # sender CPU in the strategy (slicing, crc32, codec)
+    receiver: dict[str, Any]
+
+
+class HandoffSender:
+    """Drives one strategy over the peer's lanes, timing the sender's own work."""
+
+    def __init__(self, strategy: TransferStrategy, lanes: Sequence[Link]):
+        self.strategy, self.lanes = strategy, lanes
+        self.plan_s = 0.0
+
+    def _plan(self, step: Callable[[], list[KVMessage]]) -> list[KVMessage]:
+        start = time.perf_counter()
+        messages = step()
+        self.plan_s += time.perf_counter() - start
+        return messages
+
+    async def send(self, messages: list[KVMessage], first_token: int | None = None) -> None:
+        for message in messages:
+            header = dict(message.header)
+            if message.kind == "end" and first_token is not None:
+                header[END_FIRST_TOKEN] = first_token
+            frame_type = {
+                "begin": FrameType.KV_BEGIN,
+                "chunk": FrameType.KV_CHUNK,
+                "end": FrameType.KV_END,
+            }[message.kind]
+            await self.lanes[message.lane % len(self.lanes)].send(
+                kv_frame(frame_type, header, message.body)
+            )
+
+    async def start(self, header: HandoffHeader) -> None:
+        await self.send(self._plan(lambda: self.strategy.start(header)))
+
+    async def add_layer(self, index: int, layer: Any) -> None:
+        await self.send(self._plan(lambda: self.strategy.add_layer(index, layer)))
+
+    async def finish(self, first_token: int | None = None) -> None:
+        await self.send(self._plan(self.strategy.finish), first_token)
+
+
+def new_strategy(name: str, codec: str, lanes: int) -> TransferStrategy:
+    return make_strategy(name, codec, STRATEGIES, CODECS, lanes=lanes)
+
+
+async def handoff_once(
+    peer: Peer, name: str, lanes: int, header: HandoffHeader, cache: CacheState, codec: str = "none"
+) -> HandoffTiming:
+    links = await peer.ensure_links(lanes)
+    start = time.perf_counter()
+    sender = HandoffSender(new_strategy(name, codec, lanes), links)
+    await sender.start(header)
+    for index, layer in enumerate(cache.layers):
+        await sender.add_layer(index, layer)
+    await sender.finish()
+    ack = await peer.next_ack()
+    if ack.get("handoff_id") != header.handoff_id:
+        raise RuntimeError(f"ack for {ack.get('handoff_id')}, expected {header.handoff_id}")
+    return HandoffTiming(time.perf_counter() - start, sender.plan_s, ack)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+@dataclass(frozen=True)
+class Route:
+    label: str
+    strategy: str | None  # None: a baseline (raw TCP or link bytes)
+    lanes: int = 1
+
+
+def paths_for(lanes: Sequence[int]) -> list[Route]:
+    paths = [
+        Route("raw TCP", None),
+        Route("link bytes", None),
+        Route("full", FULL),
+        Route("streamed", STREAMED),
+    ]
+    paths += [Route(f"layer-parallel x{n}", LAYER_PARALLEL, n) for n in lanes]
+    return paths
+
+
+def synthetic_cache(dtype: str, size_mib: int) -> tuple[ModelFingerprint, CacheState]:
+    fingerprint = make_fingerprint(30, 3, 64, dtype)
+    per_token = fingerprint.num_layers * 2 * fingerprint.tensor_bytes(1)
+    tokens = size_mib * MIB // per_token
+    return fingerprint, make_cache(fingerprint, tokens, seed=1)
+
+
+@dataclass
+class Samples:
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+    phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def add(self, label: str, seconds: float, raw_s: float, phases: dict[str, float]) -> None:
+        self.seconds.setdefault(label, []).append(seconds)
+        self.ratios.setdefault(label, []).append(raw_s / seconds)
+        self.phases.setdefault(label, []).append(phases)
+
+
+async def measure_case(
+    peer: Peer, dtype: str, size_mib: int, paths: Sequence[Route], repeats: int
+) -> tuple[int, Samples]:
+    fingerprint, cache = synthetic_cache(dtype, size_mib)
+    tokens = cache.layers[0].offset
+    views = tensor_views(cache)
+    samples = Samples()
+    for repeat in range(repeats):
+        raw_s = raw_tcp_once(peer.raw_conn(), views)
+        samples.add("raw TCP", raw_s, raw_s, {})
+        for path in paths[1:]:
+            if path.strategy is None:
+                seconds = await link_bytes_once(peer, views)
+                samples.add(path.label, seconds, raw_s, {})
+                continue
+            header = make_header(
+                fingerprint, tokens, handoff_id=f"{dtype}-{size_mib}-{path.label}-{repeat}"
+            )
+            timing = await handoff_once(peer, path.strategy, path.lanes, header, cache)
+            phases = {
+                "plan_s": timing.plan_s,
+                **{k: float(v) for k, v in timing.receiver.items() if k.endswith("_s")},
+            }
+            samples.add(path.label, timing.total_s, raw_s, phases)
+    return cache.nbytes, samples
+
+
+def median_phase(phases: list[dict[str, float]], key: str) -> float:
+    values = [p[key] for p in phases if key in p]
+    return statistics.median(values) if values else float("nan")
+
+
+def result_rows(
+    dtype: str,
+    size_mib: int,
+    nbytes: int,
+    samples: Samples,
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    rows, phase_rows = [], []
+    for label, seconds in samples.seconds.items():
+        rate = nbytes / statistics.median(seconds) / MIB
+        ratio = statistics.median(samples.ratios[label])
+        rows.append([dtype, size_mib, label, round(rate), round(ratio, 2)])
+        phases = samples.phases[label]
+        if phases and phases[0]:
+            phase_rows.append(
+                [dtype, size_mib, label]
+                + [
+                    round(1000 * median_phase(phases, key), 1)
+                    for key in ("plan_s", "feed_s", "complete_s", "mlx_s", "receive_s")
+                ]
+                + [round(1000 * statistics.median(seconds), 1)]
+            )
+    return rows, phase_rows
+
+
+def print_rows(rows: list[list[Any]]) -> None:
+    for row in rows:
+        print(
+            f"{row[0]:>8} {row[1]:>5}Mi {row[2]:>20} {row[3]:>8} MiB/s {row[4]:>6.2f}x raw",
+            flush=True,
+        )
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = [64] if args.quick else [int(s) for s in args.sizes.split(",")]
+    dtypes = ["float16"] if args.quick else args.dtypes.split(",")
+    repeats = 4 if args.quick else args.repeats
+    paths = paths_for([int(n) for n in args.lanes.split(",")])
+    peer = start_peer()
+    rows: list[list[Any]] = []
+    phase_rows: list[list[Any]] = []
+    series: dict[str, list[float]] = {}
+    try:
+        for dtype in dtypes:
+            for size_mib in sizes:
+                nbytes, samples = await measure_case(peer, dtype, size_mib, paths, repeats)
+                case_rows, case_phases = result_rows(dtype, size_mib, nbytes, samples)
+                print_rows(case_rows)
+                rows += case_rows
+                phase_rows += case_phases
+                for row in case_rows:
+                    series.setdefault(f"ratio_{row[2]}", []).append(row[4])
+    finally:
+        await peer.close()
+    return {"rows": rows, "phase_rows": phase_rows, "series": series, "repeats": repeats}
+
+
+def main() -> None:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--sizes", default="64,256", help="cache sizes in MiB")
+    parser.add_argument("--dtypes", default="float32,float16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lanes", default="2,4", help="link counts for layer-parallel")
+    args = parser.parse_args()
+    print(
+        f"{'dtype':>8} {'size':>7} {'path':>20} {'throughput':>14} {'vs raw TCP':>10}"
+        "  (median; ratio = median of per-repeat ratios)",
+        flush=True,
+    )
+    out = asyncio.run(run(args))
+    for row in out["phase_rows"]:
+        print("phases ms", row, flush=True)
+    tables = [
+        table(
+            f"KV handoff end to end vs raw loopback TCP (same two processes; median of "
+            f"{out['repeats']}; ratio = median per-repeat link/raw)",
+            ["dtype", "MiB", "path", "MiB/s", "x raw TCP"],
+            out["rows"],
+        ),
+        table(
+            "Phase times, ms (median): sender strategy CPU; receiver assembler feed "
+            "(all frames), last feed (crc32 verify), mx.array; receiver first-to-last frame",
+            ["dtype", "MiB", "path", "plan", "feed", "verify", "mx.array", "receive", "total"],
+            out["phase_rows"],
+        ),
+    ]
+    if args.json:
+        write_json(args.json, bench_result("kv_handoff", tables, out["series"]))
+
+
+if __name__ == "__main__":
+    main()
