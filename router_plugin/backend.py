@@ -8,23 +8,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, TokenEvent
 
+T = TypeVar("T")
+
 
 class TokenBackend(Protocol):
-    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Token events for ``request``, ending with one terminal event.
+    def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
+        """Token events for ``request`` in order, ending with one terminal event.
 
-        Closing the iterator early (``aclose()``, or the consuming task being
-        cancelled) cancels the request and frees its memory.
+        Each item is every event available when the consumer asked (at least
+        one), so a burst of tokens is relayed with one write. Closing the
+        iterator early (``aclose()``, or the consuming task being cancelled)
+        cancels the request and frees its memory.
         """
         ...
 
     def is_ready(self) -> bool:
         """Whether requests can be served now (``GET /health``)."""
         ...
+
+
+async def next_batch(queue: asyncio.Queue[T]) -> list[T]:
+    """Wait for one item, then take every item already queued behind it."""
+    batch = [await queue.get()]
+    while not queue.empty():
+        batch.append(queue.get_nowait())
+    return batch
 
 
 class LocalEngineBackend:
@@ -36,7 +48,7 @@ class LocalEngineBackend:
     def is_ready(self) -> bool:
         return True
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -50,9 +62,9 @@ class LocalEngineBackend:
         finished = False
         try:
             while not finished:
-                event = await queue.get()
-                finished = event.finish_reason is not None
-                yield event
+                batch = await next_batch(queue)
+                finished = batch[-1].finish_reason is not None  # the terminal event is last
+                yield batch
         finally:
             if not finished:
                 self.engine.cancel(request.request_id)

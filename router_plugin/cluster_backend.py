@@ -5,7 +5,8 @@ balancers pick a prefill node ``P`` and a decode node ``D`` from the pool's
 views → CLAIM on ``D`` (a REQUEST frame with ``claim=True``) → REQUEST on
 ``P`` with ``decode_target`` = ``D``'s address → RESULT frames from both links
 merge in a ``StreamBridge`` (seq 0 from ``P``, 1, 2, ... from ``D``) → one
-``TokenEvent`` per token, ``index`` = seq.
+``TokenEvent`` per token, ``index`` = seq; everything that arrived by the time
+the front asks goes out as one batch.
 
 Faults: a node lost (or at capacity) before the client saw a token → the
 request is placed again (a new wire id, so late frames of the old attempt
@@ -42,6 +43,7 @@ from mlxcel_plugin.stream_bridge import (
     StreamBridge,
 )
 from router_plugin.admission import ADMIT, REJECT, AdmissionController, pool_utilization
+from router_plugin.backend import next_batch
 from router_plugin.balancers.base import Balancer, RequestInfo
 from router_plugin.health import HealthMonitor
 from router_plugin.peer_links import PeerEvent, PeerLink, PeerLinks
@@ -109,12 +111,12 @@ class ClusterBackend:
         return all(any(v.healthy for v in self.pool.views(role, now))
                    for role in (PREFILL, DECODE))
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
         await self._admit(request)
         routed = RoutedRequest(self, request)
         try:
-            async for event in routed.events():
-                yield event
+            async for batch in routed.events():
+                yield batch
         finally:
             await routed.close()
             self.on_load_change()
@@ -206,16 +208,18 @@ class RoutedRequest:
         self.stats.requests.total += 1
         self.stats.active_prefills += 1
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
+    async def events(self) -> AsyncIterator[list[TokenEvent]]:
         try:
             await self._place()
             while not self.bridge.complete:  # ends with the bridge's one terminal output
-                attempt, event = await self.inbox.get()
-                if attempt != self.placement.attempt:
-                    continue  # queued before a re-route; the attempt it belongs to is gone
-                for output in await self._on_event(event):
-                    for token_event in self._token_events(output):
-                        yield token_event
+                batch: list[TokenEvent] = []
+                for attempt, event in await next_batch(self.inbox):
+                    if attempt != self.placement.attempt:
+                        continue  # queued before a re-route; the attempt it belongs to is gone
+                    for output in await self._on_event(event):
+                        batch += self._token_events(output)
+                if batch:
+                    yield batch
         except AtCapacityError:
             self.refused = True  # raised before any token: the client gets 503 + Retry-After
             raise

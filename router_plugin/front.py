@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -297,22 +297,30 @@ class OpenAIFront:
         return responses.full_body(job.meta, total, job.pipeline.finish_reason or "stop", counts)
 
     async def _sse(self, job: Job, generation: Generation) -> AsyncIterator[bytes]:
+        # One write per batch of deltas; the last batch goes with the end of the stream.
+        pending = b""
         if job.meta.kind == responses.CHAT:
-            yield sse.event(responses.role_chunk(job.meta))
-        async for delta in generation.deltas():
-            yield sse.event(responses.delta_chunk(job.meta, delta))
+            pending = sse.event(responses.role_chunk(job.meta))
+        events = responses.DeltaEvents(job.meta)
+        async with aclosing(generation.batches()) as batches:
+            async for deltas in batches:
+                pending += b"".join([events.render(delta) for delta in deltas])
+                if not job.pipeline.done:
+                    yield pending
+                    pending = b""
+        yield pending + self._sse_end(job, generation)
+
+    def _sse_end(self, job: Job, generation: Generation) -> bytes:
         try:
             generation.raise_if_failed()
         except MlxcelError as exc:
             # Headers are gone: the error travels as an event, then the stream ends.
-            yield sse.event(exc.to_openai())
-            yield sse.DONE
-            return
-        yield sse.event(responses.delta_chunk(job.meta, None, job.pipeline.finish_reason))
+            return sse.event(exc.to_openai()) + sse.DONE
+        end = sse.event(responses.delta_chunk(job.meta, None, job.pipeline.finish_reason))
         if job.include_usage:
             counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
-            yield sse.event(responses.usage_chunk(job.meta, counts))
-        yield sse.DONE
+            end += sse.event(responses.usage_chunk(job.meta, counts))
+        return end + sse.DONE
 
 
 def make_app(

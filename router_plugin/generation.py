@@ -3,12 +3,14 @@
 The front owns the ``max_tokens`` budget, EOS and stop strings: when the
 pipeline is done it closes the backend iterator itself, which cancels the
 request in the engine (or on the remote nodes) and frees its memory.
+Events come in batches (whatever the backend had ready); so do the deltas.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import EngineError, NodeLostError
@@ -32,8 +34,8 @@ class Generation:
         self._metrics = metrics
         self._arrival_s = arrival_s
         self._last_token_s: float | None = None
-        self._events: AsyncIterator[TokenEvent] | None = None
-        self._first: TokenEvent | None = None
+        self._events: AsyncIterator[list[TokenEvent]] | None = None
+        self._first: list[TokenEvent] | None = None
         self._lost = False  # the stream ended without a terminal event
 
     async def start(self) -> None:
@@ -49,26 +51,34 @@ class Generation:
             await self.aclose()
             raise
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
-        """Text deltas until the pipeline is done; closes the backend stream either way."""
+    async def batches(self) -> AsyncIterator[list[TextDelta]]:
+        """Non-empty text deltas, a list per event batch, until the pipeline is done.
+
+        Closes the backend stream either way.
+        """
         if self._events is None:
             await self.start()
         try:
-            if self._first is not None:
-                delta = self._feed(self._first)
-                if delta:
-                    yield delta
-            while self._events is not None and not self.pipeline.done:
-                event = await anext(self._events, None)
-                if event is None:
+            batch = self._first
+            while batch is not None:
+                deltas = self._feed(batch)
+                if deltas:
+                    yield deltas
+                if self._events is None or self.pipeline.done:
+                    break
+                batch = await anext(self._events, None)
+                if batch is None:
                     self._lost = True
                     self.pipeline.fail("the token stream ended without a finish event")
-                    break
-                delta = self._feed(event)
-                if delta:
-                    yield delta
         finally:
             await self.aclose()
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        """Non-empty text deltas one by one (see ``batches``)."""
+        async with aclosing(self.batches()) as batches:
+            async for deltas in batches:
+                for delta in deltas:
+                    yield delta
 
     def raise_if_failed(self) -> None:
         if self.pipeline.finish_reason != FINISH_ERROR:
@@ -87,10 +97,18 @@ class Generation:
             await aclose()
         self._record_finish()
 
-    def _feed(self, event: TokenEvent) -> TextDelta:
-        if event.token_id is not None:
-            self._time_token(time.perf_counter())
-        return self.pipeline.feed(event)
+    def _feed(self, batch: list[TokenEvent]) -> list[TextDelta]:
+        now_s = time.perf_counter()
+        deltas = []
+        for event in batch:
+            if self.pipeline.done:
+                break
+            if event.token_id is not None:
+                self._time_token(now_s)
+            delta = self.pipeline.feed(event)
+            if delta:
+                deltas.append(delta)
+        return deltas
 
     def _time_token(self, now_s: float) -> None:
         if self._last_token_s is None:

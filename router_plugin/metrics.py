@@ -51,22 +51,25 @@ class FrontMetrics:
             "mlxcel:num_requests_running", "Requests being generated.", labels, registry=r
         )
         self._model = model_name
+        # Children of the per-model series, looked up once: next_token runs per token.
+        self._ttft_m, self._itl_m = self._ttft.labels(model_name), self._itl.labels(model_name)
+        self._running_m = self._running.labels(model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def request_started(self, prompt_tokens: int) -> None:
         self._prompt.labels(self._model).inc(prompt_tokens)
-        self._running.labels(self._model).inc()
+        self._running_m.inc()
 
     def request_ended(self) -> None:
-        self._running.labels(self._model).dec()
+        self._running_m.dec()
 
     def first_token(self, seconds: float) -> None:
-        self._ttft.labels(self._model).observe(seconds)
+        self._ttft_m.observe(seconds)
 
     def next_token(self, seconds: float) -> None:
-        self._itl.labels(self._model).observe(seconds)
+        self._itl_m.observe(seconds)
 
     def finished(self, reason: str, generated_tokens: int, e2e_s: float) -> None:
         self._generation.labels(self._model).inc(generated_tokens)

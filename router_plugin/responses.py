@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel_plugin.text import TextDelta, ToolCall
+from router_plugin import sse
 
 CHAT = "chat"
 TEXT = "text"
@@ -88,6 +89,27 @@ def delta_chunk(
     return _chunk(
         meta, {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     )
+
+
+class DeltaEvents:
+    """One response's delta events, byte for byte ``sse.event(delta_chunk(meta, delta))``.
+
+    Everything around the delta is the same for the whole response, so it is
+    serialized once; per token only the delta itself goes through ``json``.
+    """
+
+    _SLOT = "\x00delta\x00"
+
+    def __init__(self, meta: ResponseMeta):
+        self._chat = meta.kind == CHAT
+        key = "delta" if self._chat else "text"
+        chunk = _chunk(meta, {"index": 0, key: self._SLOT, "logprobs": None, "finish_reason": None})
+        head, tail = sse.dumps(chunk).split(sse.dumps(self._SLOT))
+        self._head, self._tail = f"data: {head}", f"{tail}\n\n"
+
+    def render(self, delta: TextDelta) -> bytes:
+        value = _chat_delta(delta) if self._chat else delta.content
+        return f"{self._head}{sse.dumps(value)}{self._tail}".encode()
 
 
 def usage_chunk(meta: ResponseMeta, counts: dict[str, int]) -> dict[str, Any]:

@@ -259,7 +259,7 @@ class DecodeNode:
         tokens = [] if event.token_id is None else [event.token_id]
         result = Result(event.request_id, event.index, tokens, event.finish_reason,
                         event.index + len(tokens), event.error)
-        live.owner.put(result.to_frame())
+        live.owner.put_result(result)
         if event.finish_reason is not None:
             self.metrics.finished.labels(event.finish_reason).inc()
             self._end(event.request_id)
@@ -293,7 +293,7 @@ class DecodeNode:
         claim = self.claims.get(request_id)
         if claim is not None:
             text = f"{error.code}: {error.message}"
-            claim.owner.put(Result(request_id, 1, [], FINISH_ERROR, 1, text).to_frame())
+            claim.owner.put_result(Result(request_id, 1, [], FINISH_ERROR, 1, text))
             self.metrics.finished.labels(FINISH_ERROR).inc()
         for refused in self.receiver.drop(request_id, error):
             self._send_refusal(refused)

@@ -3,41 +3,99 @@
 Engine callbacks and frame handlers are plain functions on the event loop;
 ``Outbox.put`` never blocks them, and one task per link keeps the order that
 per-request ``seq`` numbers promise.
+
+Results of one request that pile up before the task sends them go as one
+RESULT frame carrying all their tokens (``seq`` is its first token's index,
+so the router still sees every token in order): under load that is one frame
+per request per loop wakeup instead of one per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+from dataclasses import dataclass
 
-from mlxcel_plugin.frames import Frame
+from mlxcel_plugin.frames import Frame, Result
 from mlxcel_plugin.link import Link, LinkClosed
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Results:
+    """Consecutive results of one request, queued and not sent yet."""
+
+    first: Result
+    last: Result
+    token_ids: list[int]
+
+    def continued_by(self, result: Result) -> bool:
+        last = self.last
+        return (last.finish_reason is None and last.error is None
+                and result.seq == self.first.seq + len(self.token_ids))
+
+    def to_frame(self) -> Frame:
+        last = self.last
+        return Result(last.request_id, self.first.seq, self.token_ids, last.finish_reason,
+                      last.generated_tokens, last.error).to_frame()
+
+
 class Outbox:
     def __init__(self, link: Link):
         self.link = link
-        self._queue: asyncio.Queue[Frame] = asyncio.Queue()
+        self._queue: collections.deque[Frame | _Results] = collections.deque()
+        self._open: dict[str, _Results] = {}  # request id -> its queued results
+        self._ready = asyncio.Event()
         self._task = asyncio.create_task(self._drain(), name="link-outbox")
 
     def put(self, frame: Frame) -> None:
         if not self.link.closed:
-            self._queue.put_nowait(frame)
+            self._open.clear()  # later results must not overtake this frame
+            self._append(frame)
+
+    def put_result(self, result: Result) -> None:
+        """Queue a result; it joins its request's queued results when it continues them."""
+        if self.link.closed:
+            return
+        queued = self._open.get(result.request_id)
+        if queued is not None and queued.continued_by(result):
+            queued.token_ids.extend(result.token_ids)
+            queued.last = result
+            return
+        queued = _Results(result, result, list(result.token_ids))
+        self._open[result.request_id] = queued
+        self._append(queued)
+
+    def _append(self, item: Frame | _Results) -> None:
+        self._queue.append(item)
+        self._ready.set()
+
+    def _next_frame(self) -> Frame:
+        item = self._queue.popleft()
+        if isinstance(item, Frame):
+            return item
+        if self._open.get(item.first.request_id) is item:
+            del self._open[item.first.request_id]  # sent: later results start a new frame
+        return item.to_frame()
 
     async def _drain(self) -> None:
         try:
             while True:  # until the link closes or the outbox is closed
-                await self.link.send(await self._queue.get())
+                if not self._queue:
+                    self._ready.clear()
+                    await self._ready.wait()
+                    continue
+                await self.link.send(self._next_frame())
         except LinkClosed:
             logger.debug("outbox to %s: link closed, %d frames dropped", self.link.peer_node_id,
-                         self._queue.qsize())
+                         len(self._queue))
 
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until every queued frame went to the link."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not self._queue.empty() and not self._task.done():  # bounded by the deadline
+        while self._queue and not self._task.done():  # bounded by the deadline
             if asyncio.get_running_loop().time() > deadline:
                 return
             await asyncio.sleep(0.01)

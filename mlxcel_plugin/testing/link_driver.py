@@ -49,7 +49,7 @@ class Outcome:
 
 
 class _Collector:
-    """Orders results by seq; done at the terminal seq with no gap, or at an error."""
+    """Orders results by seq (a frame's first token); done at the terminal one with no gap."""
 
     def __init__(self, request_id: str):
         self.outcome = Outcome(request_id)
@@ -66,10 +66,12 @@ class _Collector:
             current = self.results[self._next]
             self.outcome.tokens.extend(current.token_ids)
             self.outcome.token_times_s.extend([time.perf_counter()] * len(current.token_ids))
-            self._next += 1
             if current.finish_reason is not None:
                 self._end(current.finish_reason, current.error, None)
                 return
+            if not current.token_ids:
+                return  # nothing to advance past; wait for the next frame
+            self._next += len(current.token_ids)  # a frame may carry several tokens
 
     def fail(self, error: ErrorFrame) -> None:
         self._end("error", error.message, error.code)

@@ -46,6 +46,10 @@ class StreamFilter:
         self._state = REASONING if start_in_reasoning else CONTENT
         self._tool_close: str | None = None
         self._held = ""
+        # The first characters of every marker: text without any of them is plain text.
+        markers = [self._m.think_open, self._m.think_close]
+        markers += [m for pair in self._m.tool_pairs for m in pair if m]
+        self._starts = tuple({m[0] for m in markers if m})
 
     @property
     def state(self) -> str:
@@ -54,6 +58,8 @@ class StreamFilter:
     def feed(self, text: str) -> list[Piece]:
         buffer = self._held + text
         self._held = ""
+        if not any(start in buffer for start in self._starts):
+            return [Piece(self._state, buffer)] if buffer else []
         pieces: list[Piece] = []
         while buffer:
             found = self._next_marker(buffer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ class TextTokenizer:
         # get_vocab() copies the whole vocabulary: look the tool tokens up once.
         vocab = hf_tokenizer.get_vocab()
         self._tool_tokens = {vocab[t]: t for t in KNOWN_TOOL_TOKENS if t in vocab}
+        self._decode_ids = _fast_decoder(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextTokenizer:
@@ -80,9 +81,7 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         # No space clean-up: streamed pieces must concatenate to exactly this.
-        return self.hf.decode(
-            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        return self._decode_ids(list(ids))
 
     def token_text(self, token_id: int) -> str:
         """The literal text of one token, special or not."""
@@ -116,6 +115,22 @@ class TextTokenizer:
     def tool_token_ids(self) -> dict[int, str]:
         """Special tokens this vocabulary uses to open tool calls, by id."""
         return dict(self._tool_tokens)
+
+
+def _fast_decoder(hf: Any) -> Callable[[list[int]], str]:
+    """Decode without clean-up, skipping special tokens (called twice per streamed token).
+
+    A ``tokenizers``-backed tokenizer that keeps the stock ``_decode`` does exactly
+    ``backend_tokenizer.decode``: call it directly, without the wrapper's overhead.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(hf, "backend_tokenizer", None)
+    stock = getattr(type(hf), "_decode", None) is PreTrainedTokenizerFast._decode
+    if backend is not None and stock:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: hf.decode(ids, skip_special_tokens=True,
+                                 clean_up_tokenization_spaces=False)
 
 
 def _context_length(config: Mapping[str, Any]) -> int | None:

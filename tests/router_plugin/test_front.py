@@ -309,12 +309,12 @@ class ScriptedBackend:
     def is_ready(self) -> bool:
         return not self.refuse
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
         if self.refuse:
             raise AtCapacityError("busy", retry_after_s=2.0)
         try:
             for event in self.events:
-                yield event
+                yield [event]
         finally:
             self.closed = True
 
