@@ -5,8 +5,10 @@ each concurrency level, and reports throughput (generated tokens/s), TTFT and
 inter-token latency (p50/p99) with the hybrid/mlx-lm ratio. Bounded: a fixed
 number of requests per level and an overall deadline.
 
-    python loadtests/bench_hybrid_vs_mlx_lm.py [--model DIR] [--requests 16]
-        [--max-tokens 64] [--concurrency 1,8] [--deadline-s 600]
+    python loadtests/bench_hybrid_vs_mlx_lm.py [--quick] [--json PATH] [--model DIR]
+        [--requests 16] [--max-tokens 64] [--concurrency 1,8] [--deadline-s 600]
+
+``--quick``: 8 requests of 32 tokens per level (about 10 s, mostly server start-up).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+from bench_common import add_common_args, bench_result, table, write_json
 
 from mlxcel_plugin import openblas
 
@@ -192,28 +196,63 @@ def bench_server(
         ]  # fmt: skip
 
 
-def print_report(hybrid: list[LevelResult], mlx_lm: list[LevelResult]) -> None:
-    keys = ["tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors"]
-    print(f"{'metric':<14}{'conc':>5}{'hybrid':>12}{'mlx_lm':>12}{'ratio':>8}")
+SUMMARY_KEYS = ["tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors"]
+COLUMNS = ["metric", "clients", "hybrid", "mlx_lm", "hybrid / mlx_lm"]
+
+
+def comparison_rows(hybrid: list[LevelResult], mlx_lm: list[LevelResult]) -> list[list[Any]]:
+    """One row per metric and concurrency level, with the hybrid/mlx-lm ratio."""
+    rows = []
     for h, m in zip(hybrid, mlx_lm, strict=True):
         hs, ms = h.summary(), m.summary()
-        for key in keys:
+        for key in SUMMARY_KEYS:
             ratio = hs[key] / ms[key] if ms[key] else float("nan")
-            print(f"{key:<14}{h.concurrency:>5}{hs[key]:>12.2f}{ms[key]:>12.2f}{ratio:>8.2f}")
+            rows.append([key, h.concurrency, round(hs[key], 2), round(ms[key], 2), round(ratio, 2)])
+    return rows
+
+
+def print_report(rows: list[list[Any]]) -> None:
+    print(f"{'metric':<14}{'conc':>5}{'hybrid':>12}{'mlx_lm':>12}{'ratio':>8}")
+    for key, clients, hybrid, mlx_lm, ratio in rows:
+        print(f"{key:<14}{clients:>5}{hybrid:>12.2f}{mlx_lm:>12.2f}{ratio:>8.2f}")
     print("ratio = hybrid / mlx_lm (throughput: higher is better; latencies: lower is better)")
 
 
+def result_json(
+    rows: list[list[Any]], hybrid: list[LevelResult], mlx_lm: list[LevelResult], args: Any
+) -> dict[str, Any]:
+    series = {
+        "clients": [r.concurrency for r in hybrid],
+        "hybrid_tokens_per_s": [round(r.tokens_per_s, 1) for r in hybrid],
+        "mlx_lm_tokens_per_s": [round(r.tokens_per_s, 1) for r in mlx_lm],
+    }
+    plot = {
+        "x": "clients",
+        "y": ["hybrid_tokens_per_s", "mlx_lm_tokens_per_s"],
+        "title": "Generated tokens/s, hybrid node vs mlx_lm server",
+        "xlabel": "concurrent clients",
+        "ylabel": "tokens/s",
+        "logx": True,
+    }
+    title = (
+        f"Hybrid node vs mlx_lm server, {args.requests} chat requests x {args.max_tokens} "
+        "tokens per level (ratio = hybrid / mlx_lm; throughput: higher is better)"
+    )
+    return bench_result("hybrid_vs_mlx_lm", [table(title, COLUMNS, rows)], series, plot)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--model", help="checkpoint dir (default: the tiny test model)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per level")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (16)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="tokens per request (64)")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated levels")
     parser.add_argument("--deadline-s", type=float, default=600, help="per level")
     parser.add_argument("--request-timeout-s", type=float, default=120)
-    parser.add_argument("--out", help="also write the summaries as JSON here")
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.requests = args.requests or (8 if args.quick else 16)
+    args.max_tokens = args.max_tokens or (32 if args.quick else 64)
     return args
 
 
@@ -228,13 +267,10 @@ def main(argv: list[str] | None = None) -> None:
                           args)  # fmt: skip
     port = free_port()
     mlx_lm = bench_server("mlx_lm", mlx_lm_command(args.model, port), port, args.model, args)
-    print_report(hybrid, mlx_lm)
-    if args.out:
-        summaries = [
-            {"server": r.server, "concurrency": r.concurrency, **r.summary()}
-            for r in hybrid + mlx_lm
-        ]
-        Path(args.out).write_text(json.dumps(summaries, indent=2))
+    rows = comparison_rows(hybrid, mlx_lm)
+    print_report(rows)
+    if args.json:
+        write_json(args.json, result_json(rows, hybrid, mlx_lm, args))
 
 
 if __name__ == "__main__":

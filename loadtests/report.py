@@ -56,15 +56,19 @@ class Profile:
     request_timeout_s: float
 
 
+# Quick: the whole report within ~3 min on a busy 2-core box. Benches shorten
+# themselves under --quick (2-30 s each; the timeout only stops one that
+# overruns); a level normally ends in 0.5-5 s, so level_wall_s bounds a stalled
+# server; the modes take ~35 s together.
 QUICK = Profile(
-    latency_requests=40,
+    latency_requests=30,
     max_tokens=32,
     concurrency_levels=(1, 2, 4, 8),
-    goodput_requests_per_client=6,
-    level_wall_s=20.0,
+    goodput_requests_per_client=4,
+    level_wall_s=8.0,
     slo_ttft_s=0.5,
     slo_tpot_s=0.05,
-    bench_timeout_s=60.0,
+    bench_timeout_s=45.0,
     start_timeout_s=120.0,
     request_timeout_s=60.0,
 )

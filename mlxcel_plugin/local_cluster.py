@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,26 @@ class NodeProcess:
                 self.process.wait(timeout=timeout_s)
 
 
+def pin_process(pid: int, cores: Collection[int]) -> bool:
+    """Restrict ``pid`` and every thread it has so far to ``cores``; False where unsupported.
+
+    Linux only. Threads inherit the affinity of the thread that creates them, so
+    pinning each existing thread right after spawn covers the threads still to come.
+    """
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return False  # already gone (or no /proc): nothing left to pin
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, set(cores))
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+    return True
+
+
 def start_node(
     role: str,
     workdir: Path,
@@ -85,7 +106,9 @@ def start_node(
     port: int | None = None,
     serving_bind: str | None = None,
     name: str | None = None,
+    cpu_affinity: Collection[int] | None = None,
 ) -> NodeProcess:
+    """Spawn one node; ``cpu_affinity`` pins it to those cores (Linux; ignored elsewhere)."""
     port = port or free_port()
     argv = [sys.executable, "-m", "mlxcel_plugin.cli", "--node-role", role, "--port", str(port)]
     if serving_bind:
@@ -97,6 +120,8 @@ def start_node(
         argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
     )
     log.close()
+    if cpu_affinity:
+        pin_process(process.pid, cpu_affinity)
     return NodeProcess(role, port, serving_bind, log_path, process, argv)
 
 
