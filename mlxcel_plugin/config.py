@@ -190,8 +190,9 @@ def validate(config: ServerConfig) -> ServerConfig:
         parse_host_port(config.serving_bind)
     if config.role in ("prefill", "decode") and not config.serving_bind:
         raise ConfigError(f"--node-role {config.role} needs --serving-bind HOST:PORT")
-    if config.role == "router" and not (config.prefill_peers and config.decode_peers):
-        raise ConfigError("--node-role router needs --prefill-peers and --decode-peers")
+    has_pools = config.prefill_peers and config.decode_peers
+    if config.role == "router" and not (config.peers or has_pools):
+        raise ConfigError("--node-role router needs --prefill-peers and --decode-peers or --peers")
     if config.model is not None and not Path(config.model).is_dir():
         raise ConfigError(f"--model {config.model}: not a checkpoint directory")
     return config

@@ -150,13 +150,13 @@ class LocalCluster:
     def pool(self, role: str) -> list[NodeProcess]:
         return [node for node in self.nodes if node.role == role]
 
-    def _args(self) -> list[str]:
+    def node_args(self) -> list[str]:
         args = ["--cluster-secret-file", str(self.secret_path), *self.common_args]
         return args + (["--model", self.model] if self.model else [])
 
     def start_engine_node(self, role: str, serving_bind: str | None = None) -> NodeProcess:
         bind = serving_bind or f"{LOOPBACK}:{free_port()}"
-        node = start_node(role, self.workdir, self._args(), env=self.env, serving_bind=bind)
+        node = start_node(role, self.workdir, self.node_args(), env=self.env, serving_bind=bind)
         self.nodes.append(node)
         return node
 
@@ -174,7 +174,7 @@ class LocalCluster:
             "--decode-peers",
             ",".join(n.serving_bind for n in self.pool("decode")),
         ]
-        router_args = [*self._args(), *peers, *self.router_args]
+        router_args = [*self.node_args(), *peers, *self.router_args]
         router = start_node(
             "router", self.workdir, router_args, env=self.env, port=self.router_port
         )

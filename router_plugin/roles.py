@@ -24,6 +24,7 @@ from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
 from router_plugin.balancers import Balancer
 from router_plugin.cluster_backend import ClusterBackend, RouterConfig
+from router_plugin.discovery import discover_pools
 from router_plugin.front import make_app
 from router_plugin.health import HealthConfig, HealthMonitor
 from router_plugin.node_pool import NodePool
@@ -141,6 +142,8 @@ def make_router_app(config: Any, registry: PluginRegistry,
 
 def run_router(config: Any, registry: PluginRegistry) -> None:
     """Serve until interrupted (``mlxcel_register_roles`` entry for ``router``)."""
+    secret = require_cluster_secret("router", config.cluster_secret_file, os.environ)
+    config = discover_pools(config, secret)
     app = make_router_app(config, registry)
     logger.info("router serving %s on http://%s:%s (%d prefill, %d decode peers)",
                 served_model_name(config), config.host, config.port,
