@@ -199,7 +199,7 @@ def test_kill_decode_mid_stream_errors_only_its_requests(fake_cluster: LocalClus
 
 def restart(cluster: LocalCluster, dead: NodeProcess) -> NodeProcess:
     """The same node again: same serving bind, same flags, fresh HTTP port."""
-    node = start_node(dead.role, cluster.workdir, cluster._args(), env=cluster.env,
+    node = start_node(dead.role, cluster.workdir, cluster.node_args(), env=cluster.env,
                       serving_bind=dead.serving_bind)
     cluster.nodes.append(node)
     node.wait_healthy(STARTUP_TIMEOUT_S)
