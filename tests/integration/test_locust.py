@@ -1,4 +1,4 @@
-"""Locust, headless, against a real hybrid node on the tiny checkpoint.
+"""Locust, headless, against a real hybrid node and a real router cluster (tiny checkpoint).
 
 The locustfile times every streamed request itself (TTFT, ITL, TPOT, E2E,
 tokens/s as ``METRIC`` rows); this test checks that a short run produces those
@@ -14,10 +14,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
 
-from mlxcel_plugin.local_cluster import NodeProcess, start_node
+from mlxcel_plugin.local_cluster import LocalCluster, NodeProcess, start_node
 
 REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -83,6 +84,15 @@ def assert_healthy_run(done: subprocess.CompletedProcess[str], prefix: Path) -> 
 def test_locust_streams_against_hybrid(hybrid_node: NodeProcess, tmp_path: Path) -> None:
     prefix = tmp_path / "run"
     assert_healthy_run(run_locust(hybrid_node.url, prefix), prefix)
+
+
+def test_locust_streams_against_a_router_cluster(tiny_model_path: Path, tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path / "cluster", model=str(tiny_model_path))
+    with cluster:
+        prefix = tmp_path / "run"
+        assert_healthy_run(run_locust(cluster.router.url, prefix), prefix)
+        stats = json.loads(urlopen(f"{cluster.router.url}/router/stats", timeout=10).read())
+    assert stats["metrics"]["completed"] > 0 and stats["metrics"]["failed"] == 0
 
 
 def _feed(lines: list[str]) -> StreamRecorder:
