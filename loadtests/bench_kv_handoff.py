@@ -43,6 +43,7 @@ from mlxcel_plugin.engine_api import CacheState
 from mlxcel_plugin.frames import Frame, FrameType, kv_frame
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
+    BufferPool,
     HandoffHeader,
     KVAssembler,
     KVMessage,
@@ -94,11 +95,21 @@ class KVSink:
     """Receives KV frames of any number of handoffs on any lanes; returns finished caches.
 
     The local fingerprint is taken from the first begin (this receiver serves
-    whichever model the sender has; a decode node would check its own).
+    whichever model the sender has; a decode node would check its own). Like
+    the decode node's HandoffReceiver, buffers come from one pool and raw chunk
+    bodies are decrypted in place (``body_destination`` is the links' body sink).
     """
 
     codecs: Mapping[str, Any] = field(default_factory=builtin_codecs)
     ingests: dict[str, _Ingest] = field(default_factory=dict)
+    pool: BufferPool = field(default_factory=BufferPool)
+
+    def body_destination(self, frame_type: FrameType, header: dict, n_bytes: int) -> Any:
+        ingest = self.ingests.get(str(header.get("handoff_id")))
+        if frame_type is not FrameType.KV_CHUNK or ingest is None:
+            return None
+        into = ingest.assembler.chunk_destination(header)
+        return into if into is not None and len(into) == n_bytes else None
 
     def feed(self, frame: Frame) -> tuple[str, SerializableCacheState, dict[str, float]] | None:
         kind = {FrameType.KV_BEGIN: "begin", FrameType.KV_CHUNK: "chunk", FrameType.KV_END: "end"}[
@@ -109,7 +120,8 @@ class KVSink:
         ingest = self.ingests.get(handoff_id)
         if ingest is None:
             fingerprint = HandoffHeader.from_message(message).fingerprint
-            ingest = _Ingest(KVAssembler(fingerprint, self.codecs), time.perf_counter())
+            assembler = KVAssembler(fingerprint, self.codecs, pool=self.pool)
+            ingest = _Ingest(assembler, time.perf_counter())
             self.ingests[handoff_id] = ingest
         start = time.perf_counter()
         state = ingest.assembler.feed(message)
@@ -142,6 +154,7 @@ def to_mlx(cache: CacheState) -> list[tuple[Any, Any]]:
 async def _serve_kv_link(link: Link, sink: KVSink) -> None:
     """Assemble handoffs off this link; ack each on the link that completed it."""
     received = 0
+    link.set_body_sink(sink.body_destination)
     async for frame in link:  # until the sender closes the link
         if frame.type is FrameType.KV_CHUNK and frame.header.get("bytes_only"):
             received += len(frame.body)
@@ -158,6 +171,7 @@ async def _serve_kv_link(link: Link, sink: KVSink) -> None:
         start = time.perf_counter()
         to_mlx(state.cache)
         phases["mlx_s"] = time.perf_counter() - start
+        del state, done  # the numpy buffers go back to the pool, as after engine.decode
         await link.send(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
 
 

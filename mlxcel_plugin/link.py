@@ -10,6 +10,9 @@ message after the handshake is one AES-GCM record carrying one link record:
 
 Large bodies go over the bulk channel (``link_bulk``) when both ends have one,
 otherwise they are split into PART/LAST records no bigger than the record bound.
+A consumer may register a body sink (``set_body_sink``) that names, per
+announced bulk frame, the buffer its body should be decrypted into — the KV
+receiver points it at the layer buffer, so a body is written once.
 Sends go through a byte-bounded queue drained by one writer task, so a slow
 peer makes ``send`` wait instead of growing memory, and a cancelled ``send``
 can never leave half a record on the wire. One reader task decrypts, answers
@@ -54,6 +57,11 @@ CLOSE_POLICY_VIOLATION = 1008
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
 _MAX_PENDING_CONTROL = 64  # PONGs waiting to go out; beyond this a ping flood is dropped
+
+# (frame type, frame header, body length) -> a writable C-contiguous byte buffer of exactly
+# that length to decrypt the body into, or None for a fresh one. Called on the event loop
+# when the body is announced, before it is read; must not raise.
+BodySink = Callable[[FrameType, dict, int], memoryview | None]
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,7 @@ class Link:
         self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
+        self._body_sink: BodySink | None = None
         self._done = asyncio.Event()
         self._closer: asyncio.Task[None] | None = None
         self._tasks = [asyncio.create_task(self._write_loop(), name="link-writer"),
@@ -175,6 +184,15 @@ class Link:
     def __repr__(self) -> str:
         return (f"Link(peer={self.peer_node_id!r}, role={self.peer_role!r}, "
                 f"address={self.remote_address!r}, closed={self._closed})")
+
+    def set_body_sink(self, sink: BodySink | None) -> None:
+        """Have bulk bodies decrypted into buffers ``sink`` provides (None: fresh buffers).
+
+        The frame ``recv`` returns then carries the sink's buffer as its body.
+        Only bodies that take the bulk channel are offered; small ones arrive
+        in their record as before.
+        """
+        self._body_sink = sink
 
     async def send(self, frame: Frame) -> None:
         """Queue one frame; waits while the send queue is full. Raises LinkClosed.
@@ -445,7 +463,8 @@ class Link:
         type_code, header, _ = split_frame(payload[_BULK_LEN.size:])
         loop = asyncio.get_running_loop()
         # Read the body even for an unknown frame type, to keep the stream in step.
-        body_read = loop.run_in_executor(self._bulk_in, self._bulk.read_body, n_bytes)
+        body_read = loop.run_in_executor(self._bulk_in, self._bulk.read_body, n_bytes,
+                                         self._sink_buffer(type_code, header, n_bytes))
         frame: asyncio.Future = loop.create_future()
 
         def arrived(done: asyncio.Future) -> None:
@@ -464,7 +483,25 @@ class Link:
         self._last_bulk_read = frame
         return frame
 
-    def _bulk_frame(self, type_code: int, header: dict, body: bytearray) -> Frame | None:
+    def _sink_buffer(self, type_code: int, header: dict, n_bytes: int) -> memoryview | None:
+        if self._body_sink is None:
+            return None
+        try:
+            frame_type = FrameType(type_code)
+        except ValueError:
+            return None
+        into = self._body_sink(frame_type, header, n_bytes)
+        if into is None:
+            return None
+        view = memoryview(into)
+        if view.readonly or not view.c_contiguous or view.nbytes != n_bytes:
+            logger.warning("link %s: body sink gave an unusable buffer for %d bytes; ignored",
+                           self.local_node_id, n_bytes)
+            return None
+        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+    def _bulk_frame(self, type_code: int, header: dict,
+                    body: bytearray | memoryview) -> Frame | None:
         try:
             return Frame(FrameType(type_code), header, memoryview(body))
         except ValueError:

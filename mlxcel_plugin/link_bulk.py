@@ -98,9 +98,14 @@ class BulkChannel:
         except TimeoutError as exc:
             raise BulkTimeout("bulk channel send timed out") from exc
 
-    def read_body(self, n_bytes: int) -> bytearray:
-        """Read exactly ``n_bytes`` of body (the length came authenticated over the link)."""
-        body = bytearray(n_bytes)
+    def read_body(self, n_bytes: int, into: memoryview | None = None) -> bytearray | memoryview:
+        """Read exactly ``n_bytes`` of body (the length came authenticated over the link).
+
+        ``into`` (a writable byte buffer of exactly ``n_bytes``) receives the
+        plaintext and is returned; otherwise a fresh buffer does. A record that
+        fails authentication raises, and the link fails with it.
+        """
+        body = bytearray(n_bytes) if into is None else into
         dest = memoryview(body)
         for start in range(0, n_bytes, self.chunk_bytes):
             size = min(self.chunk_bytes, n_bytes - start) + TAG_BYTES

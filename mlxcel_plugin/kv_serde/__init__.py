@@ -35,6 +35,7 @@ from mlxcel_plugin.kv_serde.messages import (
     LayerDescriptor,
     make_ack,
 )
+from mlxcel_plugin.kv_serde.pool import DEFAULT_POOL_BYTES, BufferPool
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import (
     DEFAULT_CHUNK_BYTES,
@@ -46,11 +47,13 @@ from mlxcel_plugin.kv_serde.writer import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_POOL_BYTES",
     "RECORD_BYTES",
     "SERDE_VERSION",
     "SUPPORTED_CACHE_KINDS",
     "AckHeader",
     "AssemblerLimits",
+    "BufferPool",
     "ChecksumMismatch",
     "ChunkHeader",
     "CodecError",

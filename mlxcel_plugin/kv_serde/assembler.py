@@ -4,20 +4,31 @@ Every check that bounds memory runs before the allocation it guards: the
 begin header is refused unless the whole cache it implies fits ``max_bytes``;
 a layer's buffers are allocated on its first chunk, after its descriptor is
 checked against the begin header.
+
+The I/O layer may ask ``chunk_destination`` where a raw (identity-codec)
+chunk's bytes belong before the body arrives, and write the body there — the
+link decrypts straight into the layer buffer. Each tensor's crc32 is taken as
+soon as its last row lands, so the check overlaps the rest of the transfer.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import HandoffError
-from mlxcel_plugin.kv_codecs import CorruptChunk, KVCodec, resolve_codec, storage_dtype
+from mlxcel_plugin.kv_codecs import (
+    CorruptChunk,
+    IdentityCodec,
+    KVCodec,
+    resolve_codec,
+    storage_dtype,
+)
 from mlxcel_plugin.kv_serde.errors import (
     ChecksumMismatch,
     LayerCountMismatch,
@@ -36,6 +47,7 @@ from mlxcel_plugin.kv_serde.messages import (
     KVMessage,
     LayerDescriptor,
 )
+from mlxcel_plugin.kv_serde.pool import BufferPool
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
 
@@ -55,8 +67,15 @@ class AssemblerLimits:
 class _Layer:
     descriptor: LayerDescriptor
     tensors: dict[str, np.ndarray]  # "k"/"v" -> [1, kv_heads, tokens, head_dim]
-    filled: dict[str, np.ndarray]  # "k"/"v" -> bool per row
-    rows_left: int
+    claimed: dict[str, np.ndarray]  # "k"/"v" -> bool per row: filled, or reserved for a body
+    rows_left: dict[str, int]  # "k"/"v" -> rows not yet filled
+    # (tensor, row) -> rows of a chunk whose body is being written in place.
+    reserved: dict[tuple[str, int], int] = field(default_factory=dict)
+    crcs: dict[str, int] = field(default_factory=dict)  # of each tensor once it is complete
+
+    @property
+    def complete(self) -> bool:
+        return not any(self.rows_left.values())
 
 
 class KVAssembler:
@@ -76,12 +95,14 @@ class KVAssembler:
         *,
         min_epoch: int = 0,
         expected_request_id: str | None = None,
+        pool: BufferPool | None = None,
     ):
         self.local = local
         self.codecs = codecs
         self.limits = limits or AssemblerLimits()
         self.min_epoch = min_epoch
         self.expected_request_id = expected_request_id
+        self.pool = pool
         self.header: HandoffHeader | None = None
         self.allocated_bytes = 0
         self.received_chunks = 0
@@ -122,7 +143,7 @@ class KVAssembler:
         missing = [
             index
             for index in range(self.local.num_layers)
-            if index not in self._layers or self._layers[index].rows_left
+            if index not in self._layers or not self._layers[index].complete
         ]
         progress = self.progress()
         self._fail()
@@ -190,32 +211,86 @@ class KVAssembler:
 
     # -- chunks ------------------------------------------------------------
 
+    def chunk_destination(self, raw: Any) -> memoryview | None:
+        """Where a chunk's body may be written before it is fed: its rows' bytes, or None.
+
+        Only raw (identity-codec) bodies qualify. The header gets every check
+        ``feed`` applies and the rows are reserved for this chunk, so no other
+        chunk can claim them; the chunk must still be fed (with the body
+        written there, or anywhere else) to count. Never raises: a header that
+        would be refused gets None here and its refusal from ``feed``.
+        """
+        if self._state != "receiving" or not isinstance(self._codec, IdentityCodec):
+            return None
+        try:
+            chunk = ChunkHeader.from_dict(raw)
+            layer = self._checked_chunk(chunk, chunk.nbytes)
+            if chunk.nbytes != chunk.rows * self.local.row_bytes:
+                return None  # not a raw body: feed refuses it
+            self._claim(chunk, layer)
+        except HandoffError:
+            return None
+        layer.reserved[(chunk.tensor, chunk.row)] = chunk.rows
+        return self._rows_view(chunk, layer)
+
     def _on_chunk(self, raw: Any, body: Any) -> None:
         chunk = ChunkHeader.from_dict(raw)
-        self._check_attempt(chunk.handoff_id, chunk.epoch)
-        layer = self._layer_for(chunk)
-        fp = self.local
-        raw_bytes = chunk.rows * fp.row_bytes
-        if raw_bytes > self.limits.max_chunk_raw_bytes:
-            raise OversizeDeclared(f"chunk of {raw_bytes} decoded bytes is too large")
-        if chunk.nbytes > self.limits.max_body_bytes or len(body) > self.limits.max_body_bytes:
-            raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds the record bound")
+        layer = self._checked_chunk(chunk, len(body))
         if len(body) != chunk.nbytes:
             raise TruncatedLayer(
                 f"layer {chunk.layer} {chunk.tensor} chunk body {len(body)} of {chunk.nbytes} bytes"
             )
-        filled = layer.filled[chunk.tensor]
-        if chunk.row + chunk.rows > filled.size:
-            raise MalformedHandoff(f"chunk rows {chunk.row}+{chunk.rows} beyond {filled.size}")
-        if filled[chunk.row : chunk.row + chunk.rows].any():
-            raise UnexpectedMessage(f"layer {chunk.layer} {chunk.tensor} rows overlap a chunk")
-        self._decode_into(chunk, body, layer.tensors[chunk.tensor])
-        filled[chunk.row : chunk.row + chunk.rows] = True
-        layer.rows_left -= chunk.rows
+        if layer.reserved.get((chunk.tensor, chunk.row)) == chunk.rows:
+            del layer.reserved[(chunk.tensor, chunk.row)]
+        else:
+            self._claim(chunk, layer)
+        if not _occupies(body, self._rows_view(chunk, layer)):
+            self._decode_into(chunk, body, layer.tensors[chunk.tensor])
         self.received_chunks += 1
         self.received_bytes += len(body)
         if self._end is not None and self.received_chunks > self._end.chunks:
             raise UnexpectedMessage(f"more chunks than the {self._end.chunks} declared")
+        layer.rows_left[chunk.tensor] -= chunk.rows
+        if not layer.rows_left[chunk.tensor]:
+            self._tensor_complete(chunk.layer, layer, chunk.tensor)
+
+    def _checked_chunk(self, chunk: ChunkHeader, body_bytes: int) -> _Layer:
+        """The chunk's layer (allocated on its first chunk) once the header's bounds hold."""
+        self._check_attempt(chunk.handoff_id, chunk.epoch)
+        layer = self._layer_for(chunk)
+        raw_bytes = chunk.rows * self.local.row_bytes
+        if raw_bytes > self.limits.max_chunk_raw_bytes:
+            raise OversizeDeclared(f"chunk of {raw_bytes} decoded bytes is too large")
+        if max(chunk.nbytes, body_bytes) > self.limits.max_body_bytes:
+            raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds the record bound")
+        rows = layer.claimed[chunk.tensor].size
+        if chunk.row + chunk.rows > rows:
+            raise MalformedHandoff(f"chunk rows {chunk.row}+{chunk.rows} beyond {rows}")
+        return layer
+
+    def _claim(self, chunk: ChunkHeader, layer: _Layer) -> None:
+        claimed = layer.claimed[chunk.tensor][chunk.row : chunk.row + chunk.rows]
+        if claimed.any():
+            raise UnexpectedMessage(f"layer {chunk.layer} {chunk.tensor} rows overlap a chunk")
+        claimed[:] = True
+
+    def _rows_view(self, chunk: ChunkHeader, layer: _Layer) -> memoryview:
+        rows = layer.tensors[chunk.tensor].reshape(-1, self.local.head_dim)
+        return memoryview(rows[chunk.row : chunk.row + chunk.rows]).cast("B")
+
+    def _tensor_complete(self, index: int, layer: _Layer, tensor: str) -> None:
+        """Checksum a tensor as soon as it is whole (the rest may still be on the wire)."""
+        layer.crcs[tensor] = zlib.crc32(memoryview(layer.tensors[tensor]).cast("B"))
+        if self._end is not None:
+            self._check_crc(index, layer, tensor)
+
+    def _check_crc(self, index: int, layer: _Layer, tensor: str) -> None:
+        end = self._end
+        if end is None:  # only reachable through a bug: checked once end has arrived
+            raise UnexpectedMessage("no end yet")
+        got, want = layer.crcs[tensor], end.checksums[index][TENSORS.index(tensor)]
+        if got != want:
+            raise ChecksumMismatch(f"layer {index} {tensor}: crc32 {got:#x} != {want:#x}")
 
     def _begun(self) -> HandoffHeader:
         if self.header is None:  # only reachable through a bug: chunks need a begin first
@@ -257,13 +332,18 @@ class KVAssembler:
         rows = fp.kv_heads * descriptor.tokens
         layer = _Layer(
             descriptor=descriptor,
-            tensors={t: np.empty(shape, dtype=storage_dtype(fp.dtype)) for t in TENSORS},
-            filled={t: np.zeros(rows, dtype=bool) for t in TENSORS},
-            rows_left=2 * rows,
+            tensors={t: self._empty(shape, storage_dtype(fp.dtype)) for t in TENSORS},
+            claimed={t: np.zeros(rows, dtype=bool) for t in TENSORS},
+            rows_left={t: rows for t in TENSORS},
         )
         self._layers[index] = layer
         self.allocated_bytes += size
         return layer
+
+    def _empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if self.pool is None:
+            return np.empty(shape, dtype=dtype)
+        return self.pool.take_array(shape, dtype)
 
     def _decode_into(self, chunk: ChunkHeader, body: Any, tensor: np.ndarray) -> None:
         fp = self.local
@@ -298,6 +378,9 @@ class KVAssembler:
         if self.received_chunks > end.chunks:
             raise UnexpectedMessage(f"{self.received_chunks} chunks, end declares {end.chunks}")
         self._end = end
+        for index, layer in sorted(self._layers.items()):
+            for tensor in layer.crcs:
+                self._check_crc(index, layer, tensor)
 
     def _maybe_complete(self) -> SerializableCacheState | None:
         end = self._end
@@ -305,19 +388,11 @@ class KVAssembler:
             return None
         for index in range(self.local.num_layers):
             layer = self._layers.get(index)
-            if layer is None or layer.rows_left:
+            if layer is None or not layer.complete:
                 raise TruncatedLayer(f"layer {index} is incomplete after {end.chunks} chunks")
-        self._verify_checksums(end)
+        # Every tensor was checked against end as it completed (or when end arrived).
         self._state = "done"
         return SerializableCacheState(self._begun(), self._cache_state())
-
-    def _verify_checksums(self, end: EndHeader) -> None:
-        for index, expected in enumerate(end.checksums):
-            layer = self._layers[index]
-            for tensor, want in zip(TENSORS, expected, strict=True):
-                got = zlib.crc32(memoryview(layer.tensors[tensor]).cast("B"))
-                if got != want:
-                    raise ChecksumMismatch(f"layer {index} {tensor}: crc32 {got:#x} != {want:#x}")
 
     def _cache_state(self) -> CacheState:
         fp = self.local
@@ -349,3 +424,11 @@ def assemble_messages(
     if result is None:
         raise TruncatedLayer(f"handoff incomplete: {assembler.progress()}")
     return result
+
+
+def _occupies(body: Any, dest: memoryview) -> bool:
+    """True when ``body`` already is ``dest``'s bytes (written in place): nothing to copy."""
+    if len(body) != len(dest) or not len(dest):
+        return False
+    body_at = np.frombuffer(body, dtype=np.uint8).ctypes.data
+    return body_at == np.frombuffer(dest, dtype=np.uint8).ctypes.data

@@ -120,6 +120,7 @@ class DecodeNode:
         is_router = link.peer_role == "router"
         if not is_router:
             self._prefill_outboxes[link] = outbox
+            link.set_body_sink(self.receiver.body_destination)  # KV bodies land in place
         try:
             async for frame in link:  # until the link closes
                 if is_router:

@@ -5,6 +5,10 @@ arriving cannot stall a decode step. Several handoffs are in flight at once,
 routed by ``handoff_id``; the begin is checked by ``admit`` (capacity, known
 request, fingerprint) before anything is allocated. Every refusal names its
 code (it goes into the KV_ACK) and frees the partial cache.
+
+Receive buffers come from one ``BufferPool``, reused once the engine has copied
+a cache into MLX; ``body_destination`` is the links' body sink, so a raw
+chunk's body is decrypted straight into its place in the layer buffer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from mlxcel_plugin.frames import Frame, FrameType
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import (
     AssemblerLimits,
+    BufferPool,
     HandoffHeader,
     KVAssembler,
     ModelFingerprint,
@@ -69,9 +74,10 @@ Outcome = Completed | Refused | None
 
 class HandoffReceiver:
     def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec], admit: Admit,
-                 limits: AssemblerLimits | None = None):
+                 limits: AssemblerLimits | None = None, pool: BufferPool | None = None):
         self.local, self.codecs, self.admit = local, codecs, admit
         self.limits = limits or AssemblerLimits()
+        self.pool = pool or BufferPool()
         self.ingests: dict[str, Ingest] = {}  # by handoff_id
 
     @property
@@ -80,6 +86,18 @@ class HandoffReceiver:
 
     def by_request(self, request_id: str) -> Ingest | None:
         return next((i for i in self.ingests.values() if i.request_id == request_id), None)
+
+    def body_destination(self, frame_type: FrameType, header: dict,
+                         n_bytes: int) -> memoryview | None:
+        """A link body sink: where a KV_CHUNK body belongs in its handoff's buffers, or None."""
+        if frame_type is not FrameType.KV_CHUNK:
+            return None
+        handoff_id = header.get("handoff_id")
+        ingest = self.ingests.get(handoff_id) if isinstance(handoff_id, str) else None
+        if ingest is None or header.get("epoch") != ingest.epoch:
+            return None
+        into = ingest.assembler.chunk_destination(header)
+        return into if into is not None and len(into) == n_bytes else None
 
     def feed(self, link: Link, frame: Frame) -> Outcome:
         """Apply one KV frame; raises MalformedHandoff when it cannot even be routed."""
@@ -121,7 +139,7 @@ class HandoffReceiver:
         except (HandoffError, AtCapacityError) as exc:
             return Refused(request_id, handoff_id, epoch, link, exc, admitted=False)
         assembler = KVAssembler(self.local, self.codecs, self.limits,
-                                expected_request_id=header.request_id)
+                                expected_request_id=header.request_id, pool=self.pool)
         ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
         self.ingests[handoff_id] = ingest
         try:

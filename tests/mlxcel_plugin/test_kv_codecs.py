@@ -109,12 +109,12 @@ def test_int8_mean_error_is_far_below_the_bound():
     assert error.mean() < 0.01 * np.abs(array).mean()
 
 
-@pytest.mark.parametrize(("bits", "ratio"), [(8, 128 / 68), (4, 128 / 36)])
+@pytest.mark.parametrize(("bits", "ratio"), [(8, 128 / 66), (4, 128 / 34)])
 def test_quantized_size_for_fp16_head_dim_128(bits, ratio):
     codec = GroupQuantCodec(bits)
     array = chunk("float16", rows=64, head_dim=128)
     body, meta = codec.encode(array, "float16")
-    assert meta == {"g": 64}
+    assert meta == {"g": 64, "s": "f2"}  # float16 scales for float16 data
     assert array.nbytes / len(body) == pytest.approx(ratio)
     assert codec.profile.ratio == pytest.approx(ratio)
 
@@ -200,3 +200,39 @@ def test_chain_refuses_a_huge_declared_intermediate():
     body, meta = chain.encode(array, "float16")
     with pytest.raises(CorruptChunk):
         chain.decode(body, {**meta, "n": [1 << 40]}, array.shape, "float16")
+
+
+@pytest.mark.parametrize(("dtype", "kind"), [("float16", "f2"), ("bfloat16", "bf16")])
+def test_int8_on_half_precision_is_at_least_1_9x_smaller(dtype, kind):
+    codec = GroupQuantCodec(8)
+    array = chunk(dtype, rows=256, head_dim=64)
+    body, meta = codec.encode(array, dtype)
+    assert meta["s"] == kind and array.nbytes / len(body) >= 1.9
+
+
+@pytest.mark.parametrize("scale", [1e-7, 65504.0], ids=["tiny", "top-of-range"])
+def test_float16_groups_whose_scale_does_not_fit_keep_float32_scales(scale):
+    codec = GroupQuantCodec(8)
+    array = np.full((4, 64), scale, dtype="<f2")
+    array[:, ::2] *= -1
+    body, meta = codec.encode(array, "float16")
+    assert "s" not in meta
+    decoded = codec.decode(body, meta, array.shape, "float16")
+    assert np.all(np.isfinite(decoded.astype("<f4")))
+    assert np.allclose(decoded.astype("<f4"), array.astype("<f4"), rtol=0.01)
+
+
+def test_half_scales_are_rounded_up_so_the_group_max_never_clips():
+    codec = GroupQuantCodec(8)
+    # 1000 / 127 is not a float16; rounding it down would clip 1000 to 127 steps below it.
+    array = np.linspace(-1000, 1000, 64, dtype="<f2").reshape(1, 64)
+    body, meta = codec.encode(array, "float16")
+    decoded = codec.decode(body, meta, array.shape, "float16").astype("<f4")
+    assert np.abs(decoded - array.astype("<f4")).max() <= codec.profile.relative_error * 1000
+
+
+def test_refuses_a_scale_kind_that_does_not_match_the_dtype():
+    codec = GroupQuantCodec(8)
+    body, meta = codec.encode(chunk("float16"), "float16")
+    with pytest.raises(CorruptChunk):
+        codec.decode(body, {**meta, "s": "bf16"}, chunk("float16").shape, "float16")

@@ -16,6 +16,7 @@ from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import (
     AckHeader,
     AssemblerLimits,
+    BufferPool,
     ChecksumMismatch,
     FingerprintMismatch,
     HandoffHeader,
@@ -272,6 +273,82 @@ def test_refuses_a_checksum_mismatch():
     corrupted = dataclasses.replace(messages[2], body=bytes(body))
     with pytest.raises(ChecksumMismatch, match="layer 0"):
         feed_all([*messages[:2], corrupted, *messages[3:]])
+
+
+def feed_in_place(messages, assembler):
+    """Like the link with a body sink: each raw chunk body is written where the assembler says."""
+    result, placed = None, 0
+    for message in messages:
+        if message.kind == "chunk":
+            into = assembler.chunk_destination(message.header)
+            if into is not None:
+                into[:] = message.body
+                message = dataclasses.replace(message, body=into)
+                placed += 1
+        result = assembler.feed(message) or result
+    return result, placed
+
+
+def test_raw_chunks_can_be_written_in_place():
+    messages, cache = messages_for()
+    pool = BufferPool()
+    result, placed = feed_in_place(messages, KVAssembler(FP, CODECS, pool=pool))
+    assert placed == len(messages) - 2
+    assert_caches_equal(result.cache, cache)
+    # The layer buffers are the pool's: every array's memory belongs to one of its slabs.
+    assert all(layer.keys.base is not None for layer in result.cache.layers)
+
+
+def test_a_body_written_in_place_is_still_checksummed():
+    messages, _ = messages_for()
+    assembler = KVAssembler(FP, CODECS)
+    assembler.feed(messages[0])
+    into = assembler.chunk_destination(messages[1].header)
+    into[:] = messages[1].body
+    into[3] ^= 0x01
+    assembler.feed(dataclasses.replace(messages[1], body=into))
+    with pytest.raises(ChecksumMismatch, match="layer 0"):
+        feed_all(messages[2:], assembler)
+
+
+def test_no_destination_for_coded_chunks_refused_headers_or_claimed_rows():
+    lz4, _ = messages_for(codec="lz4")
+    assembler = KVAssembler(FP, CODECS)
+    assembler.feed(lz4[0])
+    assert assembler.chunk_destination(lz4[1].header) is None
+    messages, cache = messages_for()
+    assembler = KVAssembler(FP, CODECS)
+    assert assembler.chunk_destination(messages[1].header) is None  # before begin
+    assembler.feed(messages[0])
+    assert assembler.chunk_destination({**messages[1].header, "epoch": 9}) is None
+    assert assembler.chunk_destination(messages[1].header) is not None
+    assert assembler.chunk_destination(messages[1].header) is None  # rows already reserved
+    # The reserved chunk may still arrive with its body elsewhere (copied in).
+    assert_caches_equal(feed_all(messages[1:], assembler).cache, cache)
+
+
+def test_a_duplicate_of_a_chunk_placed_in_place_is_refused():
+    messages, _ = messages_for()
+    assembler = KVAssembler(FP, CODECS)
+    feed_in_place(messages[:2], assembler)
+    with pytest.raises(UnexpectedMessage, match="overlap"):
+        assembler.feed(messages[1])
+
+
+def test_a_tensor_is_checksummed_as_soon_as_end_and_its_rows_are_there():
+    messages, _ = messages_for()
+    chunks = [m for m in messages if m.kind == "chunk"]
+    first = chunks[0]
+    body = bytearray(first.body)
+    body[0] ^= 0x01
+    assembler = KVAssembler(FP, CODECS)
+    assembler.feed(messages[0])
+    assembler.feed(messages[-1])  # end first, as on another lane
+    layer0_k = [c for c in chunks if c.header["layer"] == 0 and c.header["tensor"] == "k"]
+    for chunk in layer0_k[1:]:
+        assembler.feed(chunk)
+    with pytest.raises(ChecksumMismatch, match="layer 0 k"):
+        assembler.feed(dataclasses.replace(first, body=bytes(body)))
 
 
 def test_checksum_also_guards_lossy_codecs():

@@ -73,6 +73,58 @@ def test_large_bodies_arrive_intact_and_in_order(bulk):
     run(main())
 
 
+def test_a_body_sink_receives_bulk_bodies_in_its_own_buffer():
+    async def main():
+        received = asyncio.Queue()
+        buffers = {0: bytearray(MIB), 1: bytearray(MIB)}
+        offered = []
+
+        def sink(frame_type, header, n_bytes):
+            offered.append((frame_type, header["i"], n_bytes))
+            buf = buffers.get(header["i"])
+            return None if buf is None else memoryview(buf)
+
+        async def take(link):
+            link.set_body_sink(sink)
+            async for frame in link:
+                await received.put(frame)
+
+        async with await serve(on_link=take) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            bodies = [os.urandom(MIB), os.urandom(MIB), os.urandom(MIB), b"small"]
+            for i, body in enumerate(bodies):
+                await link.send(Frame(FrameType.KV_CHUNK, {"i": i}, body))
+            frames = [await received.get() for _ in bodies]
+            assert [bytes(f.body) for f in frames] == bodies
+            assert bytes(buffers[0]) == bodies[0] and bytes(buffers[1]) == bodies[1]
+            # Only bulk bodies are offered to the sink; i=2 got a fresh buffer (sink said None).
+            assert offered == [(FrameType.KV_CHUNK, i, MIB) for i in range(3)]
+            await link.close()
+
+    run(main())
+
+
+def test_a_sink_buffer_of_the_wrong_size_is_ignored(caplog):
+    async def main():
+        received = asyncio.Queue()
+
+        async def take(link):
+            link.set_body_sink(lambda *_: memoryview(bytearray(10)))
+            async for frame in link:
+                await received.put(frame)
+
+        async with await serve(on_link=take) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            body = os.urandom(MIB)
+            await link.send(Frame(FrameType.KV_CHUNK, {}, body))
+            assert bytes((await received.get()).body) == body
+            await link.close()
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    assert "unusable buffer" in caplog.text
+
+
 def test_wrong_secret_is_refused_and_logged_without_the_secret(caplog):
     async def main():
         async with await serve() as server:

@@ -1,0 +1,73 @@
+"""HandoffReceiver as a link body sink: raw chunk bodies land in the handoff's own buffers."""
+
+from __future__ import annotations
+
+from mlxcel_plugin.frames import FrameType
+from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_serde import SerializableCacheState
+from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
+from mlxcel_plugin.nodes.kv_wire import message_to_frame
+from mlxcel_plugin.testing.caches import (
+    assert_caches_equal,
+    make_cache,
+    make_fingerprint,
+    make_header,
+)
+
+CODECS = builtin_codecs()
+FP = make_fingerprint(num_layers=3, kv_heads=2, head_dim=64, dtype="float16")
+LINK = object()  # feed only uses the link as a key
+
+
+def frames_for(codec="none", handoff_id="h1"):
+    header = make_header(FP, 40, codec=codec, handoff_id=handoff_id)
+    cache = make_cache(FP, 40)
+    messages = SerializableCacheState(header, cache).to_messages(resolve_codec(codec, CODECS), 2048)
+    return [message_to_frame(m) for m in messages], cache
+
+
+def deliver(receiver, frames):
+    """What a link with ``receiver.body_destination`` as its sink hands to recv()."""
+    outcome, placed = None, 0
+    for frame in frames:
+        into = receiver.body_destination(frame.type, frame.header, len(frame.body))
+        if into is not None:
+            into[:] = frame.body
+            frame = type(frame)(frame.type, frame.header, into)
+            placed += 1
+        outcome = receiver.feed(LINK, frame) or outcome
+    return outcome, placed
+
+
+def test_bodies_are_placed_in_the_handoff_buffers_and_the_cache_is_exact():
+    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
+    frames, cache = frames_for()
+    outcome, placed = deliver(receiver, frames)
+    assert isinstance(outcome, Completed) and placed == len(frames) - 2
+    assert_caches_equal(outcome.state.cache, cache)
+
+
+def test_only_known_handoffs_and_raw_chunks_get_a_destination():
+    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
+    frames, _ = frames_for()
+    chunk = frames[1]
+    assert receiver.body_destination(chunk.type, chunk.header, len(chunk.body)) is None
+    receiver.feed(LINK, frames[0])
+    assert receiver.body_destination(FrameType.KV_END, chunk.header, len(chunk.body)) is None
+    assert receiver.body_destination(chunk.type, {**chunk.header, "epoch": 7}, 10) is None
+    assert receiver.body_destination(chunk.type, {"handoff_id": ["x"]}, 10) is None
+    lz4 = HandoffReceiver(FP, CODECS, admit=lambda header: None)
+    lz4_frames, _ = frames_for("lz4")
+    lz4.feed(LINK, lz4_frames[0])
+    assert lz4.body_destination(lz4_frames[1].type, lz4_frames[1].header, 10) is None
+
+
+def test_a_damaged_body_placed_in_place_still_fails_the_handoff_and_frees_it():
+    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
+    frames, _ = frames_for()
+    body = bytearray(frames[1].body)
+    body[5] ^= 0x10
+    frames[1] = type(frames[1])(frames[1].type, frames[1].header, bytes(body))
+    outcome, _ = deliver(receiver, frames)
+    assert isinstance(outcome, Refused) and outcome.error.code == "handoff_checksum_mismatch"
+    assert receiver.allocated_bytes == 0 and not receiver.ingests

@@ -1,0 +1,36 @@
+"""BufferPool: slabs are lent again only once nothing refers to them."""
+
+import numpy as np
+
+from mlxcel_plugin.kv_serde import BufferPool
+
+MIB = 1 << 20
+
+
+def test_a_slab_is_reused_once_every_view_of_it_is_gone():
+    pool = BufferPool(16 * MIB)
+    array = pool.take_array((1, 2, 1000, 64), np.float16)
+    address = array.ctypes.data
+    rows = array.reshape(-1, 64)[10:20]
+    view = memoryview(rows)
+    del array, rows
+    assert pool.take(256_000).ctypes.data != address  # the memoryview still holds the slab
+    del view
+    again = pool.take(256_000)
+    assert again.ctypes.data == address and pool.reused == 1
+
+
+def test_a_slab_is_not_lent_for_much_smaller_requests():
+    pool = BufferPool(16 * MIB)
+    pool.take(4 * MIB)
+    assert pool.take(MIB).nbytes == MIB and pool.reused == 0
+
+
+def test_the_pool_stays_within_its_bound():
+    pool = BufferPool(4 * MIB)
+    held = [pool.take(MIB) for _ in range(6)]
+    assert pool.held_bytes <= 4 * MIB
+    assert all(a.nbytes == MIB for a in held)  # beyond the bound: unpooled memory
+    del held
+    pool.take(3 * MIB)  # room is made by dropping free slabs
+    assert pool.held_bytes <= 4 * MIB
