@@ -2,8 +2,8 @@
 
 Per request (docs/cluster-flow.md): admission (admit, queue or 503) → the
 balancers pick a prefill node ``P`` and a decode node ``D`` from the pool's
-views → CLAIM on ``D`` (a REQUEST frame with ``claim=True``) → REQUEST on
-``P`` with ``decode_target`` = ``D``'s address → RESULT frames from both links
+views → REQUEST on ``P`` with ``decode_target`` = ``D``'s address → CLAIM on
+``D`` (a REQUEST frame with ``claim=True``) → RESULT frames from both links
 merge in a ``StreamBridge`` (seq 0 from ``P``, 1, 2, ... from ``D``) → one
 ``TokenEvent`` per token, ``index`` = seq; everything that arrived by the time
 the front asks goes out as one batch.
@@ -238,8 +238,9 @@ class RoutedRequest:
             peer.register(placement.wire_id, self._sink(attempt))
             self.backend.pool.on_dispatch(peer.node_id)
         self.backend.on_load_change()
-        await self._send(placement, decode, self._claim_frame(placement))
+        # REQUEST first: prefill is on the first token's path; D holds a KV that beats the claim.
         await self._send(placement, prefill, self._request_frame(placement))
+        await self._send(placement, decode, self._claim_frame(placement))
 
     def _sink(self, attempt: int) -> Callable[[PeerEvent], None]:
         inbox = self.inbox

@@ -129,12 +129,21 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for pending in (task, watcher):
-            pending.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
+        watcher.cancel()
+        if task.done():
+            # The usual case: the watcher only waits on receive(); it needs no waiting for.
+            watcher.add_done_callback(_retrieve)
+        else:
+            task.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # seen: no "exception was never retrieved" warning
 
 
 class SSEResponse(StreamingResponse):

@@ -12,14 +12,15 @@ token.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
 from mlxcel_plugin.errors import MlxcelError
@@ -37,7 +38,6 @@ from mlxcel_plugin.frames import (
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
 from mlxcel_plugin.link import Link
-from mlxcel_plugin.nodes.bridge import on_loop
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
@@ -61,6 +61,36 @@ FINAL_REFUSALS = frozenset({
     "handoff_unsupported_cache_kind", "handoff_unsupported_version", "handoff_oversize",
     "unknown_request",
 })  # fmt: skip
+
+
+T = TypeVar("T")
+
+
+class EngineMailbox(Generic[T]):
+    """Engine-thread callbacks → the loop, in order, with one wakeup per burst.
+
+    Each ``call_soon_threadsafe`` writes the loop's self-pipe, which hands the GIL
+    to the loop and back. A prefill that reports its layers and first token in
+    a burst (a fast engine, a short prompt) wakes the loop once, not per layer.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[T], None]):
+        self._loop, self._deliver = loop, deliver
+        self._items: collections.deque[T] = collections.deque()
+        self._wake_pending = False
+
+    def put(self, item: T) -> None:
+        """Any thread. Appending before reading the flag: a drain never misses an item."""
+        self._items.append(item)
+        if not self._wake_pending and not self._loop.is_closed():
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self._wake_pending = False  # before taking items: a put from now on wakes us again
+        items = self._items
+        while items:  # bounded: puts that race in here are delivered in this pass
+            self._deliver(items.popleft())
 
 
 @dataclass
@@ -108,6 +138,7 @@ class PrefillNode:
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
         self._peer_cycle = itertools.cycle(parts.decode_peers) if parts.decode_peers else None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._engine_events: EngineMailbox[tuple[_Job, int | None, Any]] | None = None
         self._prompt_tokens = 0
         self._since_s = time.monotonic()
 
@@ -187,15 +218,24 @@ class PrefillNode:
             self._start_prefill(self.jobs[job.request_id])
 
     def _start_prefill(self, job: _Job) -> None:
-        loop = asyncio.get_running_loop()
+        if self._engine_events is None:
+            self._engine_events = EngineMailbox(asyncio.get_running_loop(), self._on_engine_event)
+        events = self._engine_events
         self.metrics.queue_time.observe(time.monotonic() - job.submitted_s)
         job.submitted_s = time.monotonic()
         on_layer = None
         if job.request.max_tokens > 1:  # max_tokens == 1 ends at the first token: no handoff
             job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
-            on_layer = on_loop(loop, job.handoff.add_layer)
-        done = on_loop(loop, lambda result: self._on_prefill_done(job, result))
-        self.engine.prefill(job.request, done, on_layer)
+            on_layer = lambda index, layer: events.put((job, index, layer))  # noqa: E731
+        self.engine.prefill(job.request, lambda result: events.put((job, None, result)), on_layer)
+
+    def _on_engine_event(self, event: tuple[_Job, int | None, Any]) -> None:
+        """A layer (index, layer) or the end of prefill (None, result), on the loop."""
+        job, index, payload = event
+        if index is None:
+            self._on_prefill_done(job, payload)
+        elif job.handoff is not None:
+            job.handoff.add_layer(index, payload)
 
     def _header(self, job: _Job, epoch: int, first_token: int) -> HandoffHeader:
         return HandoffHeader(

@@ -57,6 +57,7 @@ class TextTokenizer:
         vocab = hf_tokenizer.get_vocab()
         self._tool_tokens = {vocab[t]: t for t in KNOWN_TOOL_TOKENS if t in vocab}
         self._decode_ids = _fast_decoder(hf_tokenizer)
+        self._encode_text = _fast_encoder(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextTokenizer:
@@ -77,7 +78,7 @@ class TextTokenizer:
         return cls(hf, eos_token_ids=eos, context_length=_context_length(config))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return self._encode_text(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         # No space clean-up: streamed pieces must concatenate to exactly this.
@@ -131,6 +132,40 @@ def _fast_decoder(hf: Any) -> Callable[[list[int]], str]:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: hf.decode(ids, skip_special_tokens=True,
                                  clean_up_tokenization_spaces=False)
+
+
+def _fast_encoder(hf: Any) -> Callable[[str, bool], list[int]]:
+    """Encode one text, calling the ``tokenizers`` backend directly when that is exact.
+
+    The stock wrapper encodes a batch of one (rayon threads: a costly hop on a
+    router pinned to one core) after re-checking truncation and padding. With
+    neither configured on the backend and special tokens kept whole, the single
+    ``encode`` yields the same ids.
+    """
+
+    def stock(text: str, add_special_tokens: bool) -> list[int]:
+        return list(hf.encode(text, add_special_tokens=add_special_tokens))
+
+    backend = getattr(hf, "backend_tokenizer", None)
+    base = _stock_backend_class()
+    if backend is None or base is None or type(hf)._encode_plus is not base._encode_plus:
+        return stock
+
+    def direct(text: str, add_special_tokens: bool) -> list[int]:
+        if (backend.truncation is not None or backend.padding is not None
+                or backend.encode_special_tokens or hf.split_special_tokens):
+            return stock(text, add_special_tokens)
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    return direct
+
+
+def _stock_backend_class() -> Any:
+    """transformers' ``tokenizers``-backed tokenizer class, under either major's name."""
+    import transformers
+
+    return getattr(transformers, "TokenizersBackend", None) or getattr(
+        transformers, "PreTrainedTokenizerFast", None)
 
 
 def _context_length(config: Mapping[str, Any]) -> int | None:
