@@ -49,6 +49,9 @@ class PrefillMetrics(NodeMetrics):
                                       buckets=_SECONDS, registry=r)
         self.handoff_retries = Counter("mlxcel:handoff_retries", "Handoff attempts retried.",
                                        registry=r)
+        self.handoff_choices = Counter("mlxcel:handoff_choices",
+                                       "Handoffs started, by transfer strategy and codec.",
+                                       ["strategy", "codec"], registry=r)
         self.handoff_failures = Counter("mlxcel:handoff_failures",
                                         "Handoffs given up, by reason.", ["reason"], registry=r)
         self.requests = Counter("mlxcel:prefill_requests", "Requests by outcome.", ["outcome"],

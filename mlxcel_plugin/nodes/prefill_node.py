@@ -133,6 +133,7 @@ class PrefillNode:
         self.links = links
         self.selector = AdaptiveSelector(parts.transfer_config, parts.codecs)
         self.bandwidth = BandwidthEstimator()
+        self.last_choice: dict[str, Any] | None = None
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
         self.jobs: dict[str, _Job] = {}
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
@@ -162,7 +163,17 @@ class PrefillNode:
         return {"status": "ok", "role": "prefill", "node_id": self.node_id,
                 "queued": stats.queued, "running": stats.running,
                 "handing_off": stats.handing_off, "jobs": len(self.jobs),
-                "kv_bytes": self.held_kv_bytes(), "engine_kv_bytes": self.engine.stats().kv_bytes}
+                "kv_bytes": self.held_kv_bytes(), "engine_kv_bytes": self.engine.stats().kv_bytes,
+                "transfer": {"last_choice": self.last_choice,
+                             "bandwidth_bytes_per_s": self.bandwidth.snapshot()}}
+
+    def _record_choice(self, job: _Job, choice: Any, streaming: bool) -> None:
+        """Make the adaptive choice and the estimate behind it visible: log, metric, health."""
+        self.last_choice = {**choice.as_dict(), "target": job.target}
+        strategy = choice.strategy if streaming else FULL
+        self.metrics.handoff_choices.labels(strategy=strategy, codec=choice.codec).inc()
+        logger.debug("%s: handoff %s -> %s: %s", self.node_id, job.request_id, job.target,
+                     self.last_choice)
 
     # -- router links ------------------------------------------------------------------
 
@@ -252,6 +263,7 @@ class PrefillNode:
         choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
                                       lanes_available=self.parts.transfer_config.parallelism,
                                       can_stream=streaming)
+        self._record_choice(job, choice, streaming)
         strategy = make_strategy(choice.strategy if streaming else FULL, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
                                  chunk_bytes=self.parts.transfer_config.chunk_bytes,

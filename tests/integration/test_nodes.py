@@ -168,6 +168,10 @@ def test_greedy_output_matches_hybrid(mlx_nodes, expected, strategy, codec):
 
     got = run(go())
     assert got == {f"len{n}": expected[f"len{n}"] for n in PROMPT_LENGTHS}
+    # The configured strategy and codec are what went over the wire, and say so.
+    assert health(prefill)["transfer"]["last_choice"]["codec"] == codec
+    chosen = f'mlxcel:handoff_choices_total{{codec="{codec}",strategy="{strategy}"}}'
+    assert chosen in metrics(prefill)
 
 
 def test_seeded_sampling_matches_hybrid(mlx_nodes, expected):
