@@ -38,7 +38,7 @@ from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Ref
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
-from mlxcel_plugin.nodes.requests import generation_request
+from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.scheduling import DecodeScheduler, DecodeSchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -144,17 +144,12 @@ class DecodeNode:
         outbox.close()
 
     def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
-        request_id = frame.header.get("request_id")
-        request_id = request_id if isinstance(request_id, str) else None
-        try:
-            if frame.type is FrameType.REQUEST:
-                self._on_claim(outbox, Request.from_frame(frame))
-            elif frame.type is FrameType.CANCEL:
-                self.cancel(Cancel.from_frame(frame).request_id, "cancelled by the router")
-            else:
-                logger.debug("%s: ignoring %s from a router", self.node_id, frame.type.name)
-        except (FrameError, MlxcelError) as exc:
-            outbox.put(ErrorFrame(exc.code or "error", exc.message, request_id).to_frame())
+        dispatch_router_frame(
+            frame,
+            on_request=lambda request: self._on_claim(outbox, request),
+            on_cancel=lambda request_id: self.cancel(request_id, "cancelled by the router"),
+            reply=outbox.put,
+        )
 
     def _on_prefill_frame(self, link: Link, outbox: Outbox, frame: Frame) -> None:
         try:

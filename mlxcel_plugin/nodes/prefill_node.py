@@ -25,11 +25,9 @@ from typing import Any, Generic, TypeVar
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.frames import (
-    Cancel,
     ErrorFrame,
     Frame,
     FrameError,
-    FrameType,
     Request,
     Result,
     Telemetry,
@@ -41,7 +39,7 @@ from mlxcel_plugin.link import Link
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
-from mlxcel_plugin.nodes.requests import generation_request
+from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler, PrefillSchedulerConfig
 from mlxcel_plugin.transfer import (
     FULL,
@@ -189,17 +187,12 @@ class PrefillNode:
             outbox.close()
 
     def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
-        request_id = frame.header.get("request_id")
-        request_id = request_id if isinstance(request_id, str) else None
-        try:
-            if frame.type is FrameType.REQUEST:
-                self._on_request(outbox, Request.from_frame(frame))
-            elif frame.type is FrameType.CANCEL:
-                self.cancel(Cancel.from_frame(frame).request_id, "cancelled by the router")
-            else:
-                logger.debug("%s: ignoring %s from a router", self.node_id, frame.type.name)
-        except (FrameError, MlxcelError) as exc:
-            outbox.put(ErrorFrame(exc.code or "error", exc.message, request_id).to_frame())
+        dispatch_router_frame(
+            frame,
+            on_request=lambda request: self._on_request(outbox, request),
+            on_cancel=lambda request_id: self.cancel(request_id, "cancelled by the router"),
+            reply=outbox.put,
+        )
 
     def _on_request(self, outbox: Outbox, frame: Request) -> None:
         if frame.claim:

@@ -1,14 +1,17 @@
-"""REQUEST frames → engine requests, with every field a peer controls checked (pure)."""
+"""Router frames → engine requests, with every field a peer controls checked (pure)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
 from mlxcel_plugin.engine_api import GenerationRequest, SamplingParams
-from mlxcel_plugin.errors import InvalidRequestError
-from mlxcel_plugin.frames import Request
+from mlxcel_plugin.errors import InvalidRequestError, MlxcelError
+from mlxcel_plugin.frames import Cancel, ErrorFrame, Frame, FrameError, FrameType, Request
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKEN_IDS = 1024
 _INT_FIELDS = frozenset({"top_k", "seed"})
@@ -43,3 +46,26 @@ def generation_request(frame: Request) -> GenerationRequest:
         sampling=sampling_params(frame.sampling),
         stop_token_ids=tuple(frame.stop_token_ids),
     )
+
+
+def dispatch_router_frame(
+    frame: Frame,
+    on_request: Callable[[Request], None],
+    on_cancel: Callable[[str], None],
+    reply: Callable[[Frame], None],
+) -> None:
+    """One frame from a router link: REQUEST or CANCEL; a bad one gets a named ERROR frame.
+
+    Both node kinds share this, so a router sees the same error codes from either.
+    """
+    request_id = frame.header.get("request_id")
+    request_id = request_id if isinstance(request_id, str) else None
+    try:
+        if frame.type is FrameType.REQUEST:
+            on_request(Request.from_frame(frame))
+        elif frame.type is FrameType.CANCEL:
+            on_cancel(Cancel.from_frame(frame).request_id)
+        else:
+            logger.debug("ignoring a %s frame from a router", frame.type.name)
+    except (FrameError, MlxcelError) as exc:
+        reply(ErrorFrame(exc.code or "error", exc.message, request_id).to_frame())
