@@ -16,23 +16,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_common import add_common_args, bench_result, table, write_json
+from bench_common import (
+    add_common_args,
+    bench_result,
+    percentile,
+    start_hybrid,
+    start_mlx_lm_server,
+    table,
+    write_json,
+)
 
-from mlxcel_plugin import openblas
+from mlxcel_plugin.local_cluster import NodeProcess
 
-REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 180
 PROMPTS = [
     "Write a short story about a fox.",
@@ -74,62 +77,10 @@ class LevelResult:
         }
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def hybrid_command(model: str, port: int) -> list[str]:
-    flags = ["--node-role", "hybrid", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
-    return [sys.executable, "-m", "mlxcel_plugin.cli", *flags]
-
-
-def mlx_lm_command(model: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlx_lm", "server", "--model", model,
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{base_url}: server exited with {process.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # still starting
-        time.sleep(0.25)
-    raise TimeoutError(f"{base_url} did not become healthy")
-
-
-@contextmanager
-def running(command: list[str], port: int) -> Iterator[str]:
-    # Both servers get the same BLAS: the CLI would re-exec with OpenBLAS, mlx_lm would not.
-    env = {**(openblas.preload_env(os.environ) or os.environ), "PYTHONUNBUFFERED": "1"}
-    # Quiet: mlx_lm logs every request to stderr; a failed start still shows its exit code.
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-        yield base_url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+def start_server(name: str, model: str, workdir: Path) -> NodeProcess:
+    # Both get OpenBLAS: the CLI re-executes with it, bench_common preloads it for mlx_lm.
+    starter = start_hybrid if name == "hybrid" else start_mlx_lm_server
+    return starter(model, workdir / name, HEALTH_TIMEOUT_S)
 
 
 async def one_request(client: httpx.AsyncClient, body: dict) -> Sample:
@@ -185,15 +136,18 @@ async def run_level(
 
 
 def bench_server(
-    name: str, command: list[str], port: int, model_field: str, args: argparse.Namespace
+    name: str, model_field: str, args: argparse.Namespace, workdir: Path
 ) -> list[LevelResult]:
-    with running(command, port) as base_url:
+    server = start_server(name, args.model, workdir)
+    try:
         return [
             asyncio.run(asyncio.wait_for(
-                run_level(name, base_url, model_field, args, c), timeout=args.deadline_s
+                run_level(name, server.url, model_field, args, c), timeout=args.deadline_s
             ))
             for c in args.concurrency
         ]  # fmt: skip
+    finally:
+        server.stop()
 
 
 SUMMARY_KEYS = ["tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors"]
@@ -262,11 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         from engines.model_store import ensure_tiny_model
 
         args.model = str(ensure_tiny_model())
-    port = free_port()
-    hybrid = bench_server("hybrid", hybrid_command(args.model, port), port, Path(args.model).name,
-                          args)  # fmt: skip
-    port = free_port()
-    mlx_lm = bench_server("mlx_lm", mlx_lm_command(args.model, port), port, args.model, args)
+    with tempfile.TemporaryDirectory(prefix="bench-hybrid-") as workdir:
+        hybrid = bench_server("hybrid", Path(args.model).name, args, Path(workdir))
+        mlx_lm = bench_server("mlx_lm", args.model, args, Path(workdir))
     rows = comparison_rows(hybrid, mlx_lm)
     print_report(rows)
     if args.json:

@@ -27,10 +27,8 @@ MESSAGES = [{"role": "user", "content": "Write a short story about a fox."}]
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    from engines.model_store import ensure_tiny_model
-
-    return str(ensure_tiny_model())
+def model_dir(tiny_model_path) -> str:
+    return str(tiny_model_path)
 
 
 @pytest.fixture(scope="module")

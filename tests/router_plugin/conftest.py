@@ -11,13 +11,8 @@ from tests.router_plugin.fake_engine import FakeEngine, Script
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(request: pytest.FixtureRequest) -> str:
-    try:
-        return str(request.getfixturevalue("tiny_model_path"))
-    except pytest.FixtureLookupError:
-        from engines.model_store import ensure_tiny_model  # builds once, then cached
-
-        return str(ensure_tiny_model())
+def tokenizer_dir(tiny_model_path) -> str:
+    return str(tiny_model_path)
 
 
 @pytest.fixture(scope="session")
