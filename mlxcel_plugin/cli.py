@@ -19,11 +19,11 @@ from typing import Any
 from mlxcel_plugin import openblas
 from mlxcel_plugin.config import ROLES, ServerConfig, build_config
 from mlxcel_plugin.errors import ConfigError, MlxcelError
+from mlxcel_plugin.model_cache import DEFAULT_MODEL_DIRNAME, cache_dir
 from mlxcel_plugin.plugins import load_plugins
 from mlxcel_plugin.secret import require_cluster_secret
 
 PROG = "mlxcel-server"
-DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -51,10 +51,6 @@ def make_parser() -> argparse.ArgumentParser:
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="log level")
     return parser
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLXCEL_CACHE_DIR") or Path.home() / ".cache" / "mlxcel")
 
 
 def resolve_default_model() -> str:
