@@ -41,7 +41,7 @@ from mlxcel_plugin.secret import HOW_TO_MAKE_ONE, ClusterSecret
 
 MAGIC = b"MLXL"
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1: BATCH link records
 KDF_INFO_LABEL = b"mlxcel link v1"
 RANDOM_BYTES = 32
 PUBKEY_BYTES = 32

@@ -39,16 +39,28 @@ from mlxcel_plugin.frames import (
     Ping,
     UnknownFrameType,
     decode_frame,
+    encode_frame,
     encode_header,
     split_frame,
 )
 from mlxcel_plugin.handshake import PeerInfo, Session
 from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel
+from mlxcel_plugin.link_records import (
+    BATCH_MIN_MINOR,
+    BATCH_OVERHEAD_BYTES,
+    KIND_BATCH,
+    KIND_BULK,
+    KIND_FRAME,
+    KIND_LAST,
+    KIND_PART,
+    batch_record,
+    frame_record,
+    split_batch,
+)
 from mlxcel_plugin.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
-KIND_FRAME, KIND_BULK, KIND_PART, KIND_LAST = 0, 1, 2, 3
 _BULK_LEN = struct.Struct(">Q")
 
 CLOSE_NORMAL = 1000
@@ -341,6 +353,9 @@ class Link:
                     self._outbox_ready.clear()
                     await self._outbox_ready.wait()
                     continue
+                if self._batchable_at(0) and self._batchable_at(1):
+                    await self._write_batch()
+                    continue
                 frame, size = self._outbox.popleft()
                 in_flight = False
                 try:
@@ -353,6 +368,29 @@ class Link:
         except ProtocolError as exc:
             self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
 
+    def _batchable_at(self, index: int) -> bool:
+        """Whether the queued frame at ``index`` may share a BATCH record with others."""
+        if len(self._outbox) <= index or self._session.peer.minor < BATCH_MIN_MINOR:
+            return False
+        frame, size = self._outbox[index]
+        on_bulk = self._bulk is not None and len(frame.body) >= self._config.bulk_threshold_bytes
+        return not on_bulk and size + BATCH_OVERHEAD_BYTES < self._config.max_record_bytes // 2
+
+    async def _write_batch(self) -> None:
+        """The small frames at the head of the queue, as one record (one seal, one write)."""
+        encoded, queued_bytes, record_bytes = [], 0, 1
+        limit = self._config.max_record_bytes
+        while self._batchable_at(0) and (
+                record_bytes + self._outbox[0][1] + BATCH_OVERHEAD_BYTES <= limit):
+            frame, size = self._outbox.popleft()
+            encoded.append(encode_frame(frame))
+            queued_bytes += size
+            record_bytes += size + BATCH_OVERHEAD_BYTES
+        try:
+            await self._send_record(batch_record(encoded))
+        finally:
+            self._budget.release(queued_bytes)
+
     async def _write_frame(self, frame: Frame, size: int = 0) -> bool:
         """Write one frame; True when its body is still going out on the bulk thread."""
         prefix = encode_header(frame.type, frame.header)
@@ -363,7 +401,7 @@ class Link:
             return True
         limit = self._config.max_record_bytes - 1
         if len(prefix) + len(body) <= limit:
-            await self._send_record(b"".join((bytes([KIND_FRAME]), prefix, body)))
+            await self._send_record(frame_record(prefix + bytes(body)))
             return False
         await self._send_parts(prefix + bytes(body), limit)
         return False
@@ -411,8 +449,7 @@ class Link:
         try:
             while True:  # until the peer closes or breaks the protocol
                 message = await self._ws.recv()
-                frame = await self._handle_message(message)
-                if frame is not None:
+                for frame in await self._handle_message(message):
                     await self._inbox.put(frame)
         except ConnectionClosed as exc:
             # Bodies announced before the close are still arriving on the bulk channel.
@@ -427,7 +464,8 @@ class Link:
         if self._last_bulk_read is not None:
             await asyncio.wait({self._last_bulk_read}, timeout=self._config.close_timeout_s)
 
-    async def _handle_message(self, message: bytes | str) -> Frame | asyncio.Future | None:
+    async def _handle_message(self, message: bytes | str) -> list[Frame | asyncio.Future]:
+        """What one record brings for ``recv``, in order (PINGs and unknown types dropped)."""
         if not isinstance(message, bytes):
             raise ProtocolError("text message on a link; only binary records are allowed")
         plain = self._session.receiver.open(message)
@@ -435,16 +473,20 @@ class Link:
             raise ProtocolError("empty link record")
         kind, payload = plain[0], memoryview(plain)[1:]
         if kind == KIND_BULK:
-            return self._start_bulk_read(payload)
+            return [self._start_bulk_read(payload)]
+        if kind == KIND_BATCH:
+            frames = (self._deliver(self._decode(frame)) for frame in split_batch(payload))
+            return [frame for frame in frames if frame is not None]
         if kind == KIND_PART:
             self._add_part(payload)
-            return None
+            return []
         if kind == KIND_LAST:
             self._add_part(payload)
             payload, self._parts, self._parts_bytes = b"".join(self._parts), [], 0
         elif kind != KIND_FRAME:
             raise ProtocolError(f"unknown link record kind {kind}")
-        return self._deliver(self._decode(payload))
+        frame = self._deliver(self._decode(payload))
+        return [] if frame is None else [frame]
 
     def _add_part(self, payload: memoryview) -> None:
         self._parts_bytes += len(payload)

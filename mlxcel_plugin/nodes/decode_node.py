@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel_plugin.engine_api import FINISH_ERROR, Engine, TokenEvent
+from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.frames import (
     Cancel,
@@ -33,7 +34,6 @@ from mlxcel_plugin.frames import (
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, make_ack
 from mlxcel_plugin.link import Link
-from mlxcel_plugin.nodes.bridge import on_loop
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics
@@ -92,6 +92,7 @@ class DecodeNode:
         self.live: dict[str, _Live] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._prefill_outboxes: dict[Link, Outbox] = {}
+        self._tokens: EngineMailbox[TokenEvent] | None = None  # made on the loop
         stats = self.scheduler.stats
         self.metrics = DecodeMetrics(lambda: stats().queue_depth, lambda: len(self.live),
                                      lambda: stats().kv_used_bytes,
@@ -235,14 +236,15 @@ class DecodeNode:
         self._admit()
 
     def _admit(self) -> None:
-        loop = asyncio.get_running_loop()
+        if self._tokens is None:
+            self._tokens = EngineMailbox(asyncio.get_running_loop(), self._on_token)
         for request_id in self.scheduler.admit():
             completed = self.ready.pop(request_id).completed
             claim = self.claims.pop(request_id)
             self.live[request_id] = _Live(claim.owner)
             request = completed.state.header.to_request()
-            emit = on_loop(loop, self._on_token)
-            self.engine.decode(request, completed.first_token, completed.state.cache, emit)
+            self.engine.decode(request, completed.first_token, completed.state.cache,
+                               self._tokens.put)
 
     def _on_token(self, event: TokenEvent) -> None:
         live = self.live.get(event.request_id)

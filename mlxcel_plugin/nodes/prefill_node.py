@@ -12,17 +12,17 @@ token.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
+from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.frames import (
     ErrorFrame,
@@ -59,36 +59,6 @@ FINAL_REFUSALS = frozenset({
     "handoff_unsupported_cache_kind", "handoff_unsupported_version", "handoff_oversize",
     "unknown_request",
 })  # fmt: skip
-
-
-T = TypeVar("T")
-
-
-class EngineMailbox(Generic[T]):
-    """Engine-thread callbacks → the loop, in order, with one wakeup per burst.
-
-    Each ``call_soon_threadsafe`` writes the loop's self-pipe, which hands the GIL
-    to the loop and back. A prefill that reports its layers and first token in
-    a burst (a fast engine, a short prompt) wakes the loop once, not per layer.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[T], None]):
-        self._loop, self._deliver = loop, deliver
-        self._items: collections.deque[T] = collections.deque()
-        self._wake_pending = False
-
-    def put(self, item: T) -> None:
-        """Any thread. Appending before reading the flag: a drain never misses an item."""
-        self._items.append(item)
-        if not self._wake_pending and not self._loop.is_closed():
-            self._wake_pending = True
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        self._wake_pending = False  # before taking items: a put from now on wakes us again
-        items = self._items
-        while items:  # bounded: puts that race in here are delivered in this pass
-            self._deliver(items.popleft())
 
 
 @dataclass

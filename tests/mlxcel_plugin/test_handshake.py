@@ -8,6 +8,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from mlxcel_plugin.errors import ConfigError, HandshakeError
 from mlxcel_plugin.handshake import (
     MSG_SERVER_HELLO,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
     BadKeyShare,
     BadMac,
     ClientHandshake,
@@ -66,7 +68,7 @@ def test_handshake_agrees_on_keys_and_peers():
 def test_hello_layout_is_stable():
     client, _ = make()
     hello = client.start()
-    assert hello[:9] == b"MLXL\x01\x01\x00\x01\x00"  # magic, CLIENT_HELLO, v1.0, prefill, flags
+    assert hello[:9] == b"MLXL\x01\x01\x01\x01\x00"  # magic, CLIENT_HELLO, v1.1, prefill, flags
     assert len(hello) == 4 + 5 + 32 + 32 + 1 + 2 and hello[-3:] == b"\x02p1"
 
 
@@ -141,7 +143,7 @@ def test_version_mismatch_gets_an_authenticated_verdict():
     client, server = make(client_kw={"major": 2})
     with pytest.raises(VersionMismatch) as info:
         run(client, server)
-    assert info.value.remote == (1, 0)
+    assert info.value.remote == (PROTOCOL_MAJOR, PROTOCOL_MINOR)
     assert server.verdict.kind is VerdictKind.VERSION_MISMATCH
 
 

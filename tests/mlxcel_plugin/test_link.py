@@ -11,10 +11,11 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from mlxcel_plugin.frames import Frame, FrameType, Ping, Request, Result
+from mlxcel_plugin.frames import Frame, FrameType, Ping, Request, Result, decode_frame
 from mlxcel_plugin.handshake import BadMac, ClientHandshake, PeerAtCapacity, RoleRefused
 from mlxcel_plugin.link import LinkClosed, LinkConfig
 from mlxcel_plugin.link_dial import Backoff, dial_link, dial_with_backoff
+from mlxcel_plugin.link_records import KIND_BATCH, KIND_FRAME, split_batch
 from mlxcel_plugin.link_server import serve_links
 
 SECRET = bytes(range(32))
@@ -313,3 +314,54 @@ def test_bulk_port_refuses_an_unknown_token(caplog):
     with caplog.at_level(logging.WARNING, logger="mlxcel_plugin.link"):
         run(main())
     assert "unknown or already used bulk token" in caplog.text
+
+
+async def raw_client(server, minor):
+    """A hand-driven client: the records the server's link writes, opened one by one."""
+    ws = await connect(f"ws://{server.address}/link", compression=None, proxy=None)
+    hs = ClientHandshake(SECRET, "prefill", "raw", minor=minor)
+    await ws.send(hs.start())
+    await ws.send(hs.receive(await ws.recv()))
+    hs.receive(await ws.recv())
+    return ws, hs.session
+
+
+@pytest.mark.parametrize("minor, batched", [(1, True), (0, False)], ids=["v1.1", "v1.0"])
+def test_a_burst_of_small_frames_shares_records_with_peers_that_know_batches(minor, batched):
+    burst = [Result(f"r{i}", i, [i]) for i in range(50)]
+
+    async def send_burst(link):
+        for result in burst:  # queued without yielding: the writer finds them all
+            await link.send(result.to_frame())
+        await link.drain()
+
+    async def main():
+        async with await serve(on_link=send_burst, config=LinkConfig(bulk=False)) as server:
+            ws, session = await raw_client(server, minor)
+            kinds, frames = [], []
+            while len(frames) < len(burst):
+                plain = memoryview(session.receiver.open(await ws.recv()))
+                kinds.append(plain[0])
+                views = split_batch(plain[1:]) if plain[0] == KIND_BATCH else [plain[1:]]
+                frames += [Result.from_frame(decode_frame(view)) for view in views]
+            await ws.close()
+            return kinds, frames
+
+    kinds, frames = run(main())
+    assert frames == burst
+    if batched:
+        assert set(kinds) == {KIND_BATCH} and len(kinds) < len(burst)
+    else:
+        assert kinds == [KIND_FRAME] * len(burst)
+
+
+def test_a_malformed_batch_record_closes_with_policy_violation():
+    async def main():
+        async with await serve(config=LinkConfig(bulk=False)) as server:
+            ws, session = await raw_client(server, 1)
+            await ws.send(session.sender.seal(bytes([KIND_BATCH]) + b"\x00\x00\x00\x09abc"))
+            with pytest.raises(ConnectionClosed) as info:
+                await ws.recv()
+            assert info.value.rcvd.code == 1008
+
+    run(main())
