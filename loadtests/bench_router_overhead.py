@@ -10,7 +10,11 @@ Both servers are measured in the same run, alternating, with the same client:
 Figures: time to first token p50/p99 at concurrency 1 (the router's added
 latency is the difference), and SSE tokens/s with ``--concurrency`` streams.
 The router process and the plain server are each pinned to one core
-(``--core``), so tokens/s is "relayed on one core".
+(``--core``), so tokens/s is "relayed on one core". The client and the fake
+nodes share the other core, so the throughput client is the lean one in
+``sse_relay_client`` (an httpx client that parses each event as JSON would
+set the pace itself); the server's CPU time per relayed token is printed
+beside it as a cross-check that does not depend on who set the pace.
 
 Usage: python loadtests/bench_router_overhead.py [--quick] [--json PATH]
 """
@@ -32,11 +36,11 @@ from bench_common import (  # noqa: E402
     add_common_args,
     bench_result,
     percentile,
-    run_closed_loop,
     stream_request,
     table,
     write_json,
 )
+from sse_relay_client import relay_run  # noqa: E402
 
 MODEL = "bench"
 PLAIN_APP = "plain_sse_app"
@@ -56,7 +60,8 @@ TEXTS = {token_texts!r}
 app = FastAPI()
 
 def event(obj):
-    return ("data: " + json.dumps(obj, ensure_ascii=False) + "\\n\\n").encode()
+    return ("data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+            + "\\n\\n").encode()
 
 @app.get("/health")
 def health():
@@ -173,26 +178,36 @@ def ttft_ms(url: str, n: int, max_tokens: int) -> list[float]:
     return [r.ttft_s * 1000 for r in results]
 
 
-def tokens_per_s(url: str, concurrency: int, requests: int, max_tokens: int) -> float:
-    limits = httpx.Limits(max_connections=concurrency)
-    with httpx.Client(timeout=120, limits=limits) as client:
-        run = run_closed_loop(
-            lambda i: stream_request(client, url, "chat", "/v1/chat/completions",
-                                     body(max_tokens)),
-            concurrency, requests, max_wall_s=120)
-    if len(run.ok) != len(run.results):
-        raise RuntimeError(f"{url}: {next(r.error for r in run.results if not r.ok)}")
-    return sum(r.completion_tokens for r in run.ok) / run.wall_s
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, dict]:
-    figures: dict[str, dict] = {name: {"ttft_ms": [], "tok_s": []} for name in urls}
+def relay_figures(url: str, server_pid: int, args: argparse.Namespace) -> dict[str, float]:
+    """Tokens/s through the lean client, and the server's CPU time per relayed token."""
+    cpu_before = process_cpu_s(server_pid)
+    run = relay_run(url, body(args.stream_tokens), concurrency=args.concurrency,
+                    requests=args.stream_requests)
+    cpu_s = process_cpu_s(server_pid) - cpu_before
+    if run.responses != args.stream_requests or run.tokens != run.responses * args.deltas:
+        raise RuntimeError(f"{url}: {run.responses} streams, {run.tokens} content deltas; "
+                           f"expected {args.stream_requests} x {args.deltas}")
+    return {"tok_s": run.tokens_per_s, "cpu_us_per_token": cpu_s / run.tokens * 1e6}
+
+
+def measure(servers: dict[str, tuple[str, int]], args: argparse.Namespace) -> dict[str, dict]:
+    """``servers``: name -> (url, pid of the process on the measured core)."""
+    figures: dict[str, dict] = {name: {"ttft_ms": [], "tok_s": [], "cpu_us": []}
+                                for name in servers}
     for _ in range(args.repeats):  # alternate, so both see the same machine load
-        for name, url in urls.items():
+        for name, (url, _) in servers.items():
             figures[name]["ttft_ms"] += ttft_ms(url, args.ttft_requests, 4)
-        for name, url in urls.items():
-            figures[name]["tok_s"].append(tokens_per_s(url, args.concurrency,
-                                                       args.stream_requests, args.stream_tokens))
+        for name, (url, pid) in servers.items():
+            relay = relay_figures(url, pid, args)
+            figures[name]["tok_s"].append(relay["tok_s"])
+            figures[name]["cpu_us"].append(relay["cpu_us_per_token"])
     return figures
 
 
@@ -201,27 +216,33 @@ def report(figures: dict[str, dict], args: argparse.Namespace) -> dict:
     p50 = {k: percentile(v["ttft_ms"], 50) for k, v in figures.items()}
     p99 = {k: percentile(v["ttft_ms"], 99) for k, v in figures.items()}
     tok = {k: max(v["tok_s"]) for k, v in figures.items()}
+    cpu = {k: min(v["cpu_us"]) for k, v in figures.items()}
     added_p50, added_p99 = p50["router"] - p50["plain"], p99["router"] - p99["plain"]
     ratio = tok["router"] / tok["plain"]
+    capacity_ratio = cpu["plain"] / cpu["router"]
     rows = [
         ["TTFT p50 (ms)", f"{p50['plain']:.2f}", f"{p50['router']:.2f}", f"{added_p50:+.2f}"],
         ["TTFT p99 (ms)", f"{p99['plain']:.2f}", f"{p99['router']:.2f}", f"{added_p99:+.2f}"],
         [f"SSE tokens/s ({args.concurrency} streams)", f"{tok['plain']:.0f}",
          f"{tok['router']:.0f}", f"{ratio:.2f}x"],
+        ["server CPU us per token", f"{cpu['plain']:.2f}", f"{cpu['router']:.2f}",
+         f"{capacity_ratio:.2f}x"],
     ]
     print(f"{'':32} {'plain':>10} {'router':>10} {'router-plain':>13}")
     for row in rows:
         print(f"{row[0]:32} {row[1]:>10} {row[2]:>10} {row[3]:>13}")
     print(f"added TTFT p50 {added_p50:.2f} ms (target < 1), p99 {added_p99:.2f} ms (target < 5); "
-          f"relay {ratio:.2f}x the plain endpoint (target >= 1.0)")
+          f"relay {ratio:.2f}x the plain endpoint (target >= 1.0); tokens per CPU-second "
+          f"{capacity_ratio:.2f}x")
     return bench_result(
         "router_overhead",
         [table("Router overhead vs a plain FastAPI SSE endpoint",
                ["figure", "plain", "router", "router vs plain"], rows)],
         {"plain_ttft_ms": plain["ttft_ms"], "router_ttft_ms": router["ttft_ms"],
          "plain_tokens_per_s": plain["tok_s"], "router_tokens_per_s": router["tok_s"],
+         "plain_cpu_us_per_token": plain["cpu_us"], "router_cpu_us_per_token": router["cpu_us"],
          "added_ttft_p50_ms": [added_p50], "added_ttft_p99_ms": [added_p99],
-         "relay_ratio": [ratio]},
+         "relay_ratio": [ratio], "cpu_capacity_ratio": [capacity_ratio]},
     )
 
 
@@ -244,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         plain = None
         try:
             texts = router_token_texts(cluster.router.url, args.stream_tokens)
+            args.deltas = len(texts)  # tokens that decode to no text yet send no delta
             plain = start_plain(workdir, texts, args.core)
-            figures = measure({"plain": plain.url, "router": cluster.router.url}, args)
+            figures = measure({"plain": (plain.url, plain.process.pid),
+                               "router": (cluster.router.url, cluster.router.process.pid)}, args)
         finally:
             cluster.stop()
             if plain is not None:

@@ -108,8 +108,13 @@ class DeltaEvents:
         self._head, self._tail = f"data: {head}", f"{tail}\n\n"
 
     def render(self, delta: TextDelta) -> bytes:
-        value = _chat_delta(delta) if self._chat else delta.content
-        return f"{self._head}{sse.dumps(value)}{self._tail}".encode()
+        if delta.reasoning or delta.tool_calls or not delta.content:
+            value = _chat_delta(delta) if self._chat else delta.content
+            return f"{self._head}{sse.dumps(value)}{self._tail}".encode()
+        # Plain content, the common case: the string is all json would encode.
+        text = sse.dumps_str(delta.content)
+        value = f'{{"content":{text}}}' if self._chat else text
+        return f"{self._head}{value}{self._tail}".encode()
 
 
 def usage_chunk(meta: ResponseMeta, counts: dict[str, int]) -> dict[str, Any]:

@@ -334,8 +334,10 @@ class FakeEngine:
     def _step(self) -> None:
         if not self._batch:
             return
-        # Even at zero cost, let other threads (cancel, close) in between steps.
-        time.sleep(self.settings.decode_step_s)
+        if self.settings.decode_step_s:
+            time.sleep(self.settings.decode_step_s)
+        # At zero cost the engine runs ahead of the node in bursts (Python switches
+        # threads every few ms); commands such as cancel are still read every step.
         for sequence in list(self._batch.values()):
             request = sequence.request
             token = next_token(sequence.prompt, sequence.index, self._seed(request))

@@ -56,7 +56,7 @@ class CompletionPipeline:
         parse_tools: bool = False,
     ):
         kept = tokenizer.tool_token_ids() if stream_filter is not None else {}
-        self._detok = IncrementalDetokenizer(tokenizer.decode, kept)
+        self._detok = IncrementalDetokenizer(tokenizer.decode, kept, tokenizer.piece)
         self._stops = StopStringMatcher(stop)
         self._filter = stream_filter
         self._parse_tools = parse_tools

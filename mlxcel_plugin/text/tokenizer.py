@@ -58,6 +58,8 @@ class TextTokenizer:
         self._tool_tokens = {vocab[t]: t for t in KNOWN_TOOL_TOKENS if t in vocab}
         self._decode_ids = _fast_decoder(hf_tokenizer)
         self._encode_text = _fast_encoder(hf_tokenizer)
+        self._pieces: dict[int, str | None] | None = {} if _decodes_by_concatenation(
+            hf_tokenizer) else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextTokenizer:
@@ -83,6 +85,24 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         # No space clean-up: streamed pieces must concatenate to exactly this.
         return self._decode_ids(list(ids))
+
+    def piece(self, token_id: int) -> str | None:
+        """What ``token_id`` adds to any decode that ends in complete text, or None.
+
+        None when this tokenizer's decode is not plain concatenation (e.g. a
+        SentencePiece decoder drops the leading space of the first token) or the
+        token is part of a character (its bytes alone are not valid UTF-8). The
+        streaming detokenizer then decodes a window instead.
+        """
+        pieces = self._pieces
+        if pieces is None:
+            return None
+        try:
+            return pieces[token_id]
+        except KeyError:
+            text = self._decode_ids([token_id])
+            pieces[token_id] = text = None if "\ufffd" in text else text
+            return text
 
     def token_text(self, token_id: int) -> str:
         """The literal text of one token, special or not."""
@@ -132,6 +152,18 @@ def _fast_decoder(hf: Any) -> Callable[[list[int]], str]:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: hf.decode(ids, skip_special_tokens=True,
                                  clean_up_tokenization_spaces=False)
+
+
+def _decodes_by_concatenation(hf: Any) -> bool:
+    """Byte-level BPE (GPT-2, Llama 3, SmolLM): decode(a + b) == decode(a) + decode(b)
+    whenever both halves decode to whole characters; the decoder only maps tokens to
+    bytes. Other decoders (Metaspace, WordPiece) depend on the neighbouring tokens."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or getattr(backend, "normalizer", None) is not None:
+        return False
+    from tokenizers import decoders
+
+    return isinstance(backend.decoder, decoders.ByteLevel)
 
 
 def _fast_encoder(hf: Any) -> Callable[[str, bool], list[int]]:

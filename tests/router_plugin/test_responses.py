@@ -9,6 +9,7 @@ from router_plugin import responses, sse
 
 DELTAS = [
     TextDelta("a"),
+    TextDelta(""),
     TextDelta('\u65e5\u672c "q" \\ \n\t\x00 \U0001f600'),
     TextDelta("", "thinking"),
     TextDelta("x", "y"),

@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 from mlxcel_plugin.text import IncrementalDetokenizer, TextTokenizer
 
 
-def stream(tok: TextTokenizer, ids: list[int], kept: dict[int, str] | None = None) -> list[str]:
-    detok = IncrementalDetokenizer(tok.decode, kept)
+def stream(tok: TextTokenizer, ids: list[int], kept: dict[int, str] | None = None,
+           *, pieces: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tok.decode, kept, tok.piece if pieces else None)
     pieces = [detok.add(i) for i in ids]
     pieces.append(detok.flush())
     return pieces
@@ -54,3 +55,23 @@ def test_invalid_bytes_flush_as_replacement_like_full_decode(
 def test_random_ids_concatenate_to_full_decode(text_tokenizer: TextTokenizer, ids: list[int]):
     # Random ids include special tokens and bytes that split UTF-8 sequences.
     assert "".join(stream(text_tokenizer, ids)) == text_tokenizer.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=49151), max_size=40))
+def test_piece_lookup_gives_the_same_deltas_as_window_decoding(
+    text_tokenizer: TextTokenizer, ids: list[int]
+):
+    assert stream(text_tokenizer, ids) == stream(text_tokenizer, ids, pieces=False)
+
+
+def test_same_deltas_on_text_with_split_characters(text_tokenizer: TextTokenizer) -> None:
+    ids = text_tokenizer.encode("a 🦙 b 日本語 ok", add_special_tokens=False)
+    assert stream(text_tokenizer, ids) == stream(text_tokenizer, ids, pieces=False)
+
+
+def test_a_piece_is_none_for_part_of_a_character(text_tokenizer: TextTokenizer) -> None:
+    emoji = text_tokenizer.encode(" 🦙", add_special_tokens=False)
+    assert len(emoji) > 1 and text_tokenizer.piece(emoji[0]) is None
+    (word,) = text_tokenizer.encode(" the", add_special_tokens=False)
+    assert text_tokenizer.piece(word) == " the"
