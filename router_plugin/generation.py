@@ -98,23 +98,27 @@ class Generation:
         self._record_finish()
 
     def _feed(self, batch: list[TokenEvent]) -> list[TextDelta]:
-        now_s = time.perf_counter()
-        deltas = []
+        deltas, tokens = [], 0
         for event in batch:
             if self.pipeline.done:
                 break
             if event.token_id is not None:
-                self._time_token(now_s)
+                tokens += 1
             delta = self.pipeline.feed(event)
             if delta:
                 deltas.append(delta)
+        if tokens:
+            self._time_tokens(time.perf_counter(), tokens)
         return deltas
 
-    def _time_token(self, now_s: float) -> None:
+    def _time_tokens(self, now_s: float, count: int) -> None:
+        """``count`` tokens arrived at ``now_s`` (one batch: they share the time)."""
         if self._last_token_s is None:
             self._metrics.first_token(now_s - self._arrival_s)
+            if count > 1:
+                self._metrics.next_tokens(0.0, count - 1)
         else:
-            self._metrics.next_token(now_s - self._last_token_s)
+            self._metrics.next_tokens(now_s - self._last_token_s, count)
         self._last_token_s = now_s
 
     def _record_finish(self) -> None:

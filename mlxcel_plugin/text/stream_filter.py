@@ -8,6 +8,7 @@ next piece decides whether it is markup or text, so markup never leaks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,7 +50,8 @@ class StreamFilter:
         # The first characters of every marker: text without any of them is plain text.
         markers = [self._m.think_open, self._m.think_close]
         markers += [m for pair in self._m.tool_pairs for m in pair if m]
-        self._starts = tuple({m[0] for m in markers if m})
+        starts = sorted({m[0] for m in markers if m})
+        self._find_start = re.compile("|".join(map(re.escape, starts)) or "(?!)").search
 
     @property
     def state(self) -> str:
@@ -58,7 +60,7 @@ class StreamFilter:
     def feed(self, text: str) -> list[Piece]:
         buffer = self._held + text
         self._held = ""
-        if not any(start in buffer for start in self._starts):
+        if self._find_start(buffer) is None:
             return [Piece(self._state, buffer)] if buffer else []
         pieces: list[Piece] = []
         while buffer:
