@@ -123,6 +123,12 @@ class _ByteBudget:
             await self._changed.wait()
         self.used += n
 
+    def try_acquire(self, n: int) -> bool:
+        if self.used and self.used + n > self._limit:
+            return False
+        self.used += n
+        return True
+
     def release(self, n: int) -> None:
         self.used -= n
         self._changed.set()
@@ -212,15 +218,38 @@ class Link:
         The body may be any C-contiguous buffer (bytes, memoryview, numpy array);
         it is sent without a copy, so do not modify it until ``drain()`` returns.
         """
+        frame, size = self._checked(frame)
+        await self._budget.acquire(size, lambda: not self._closed)
+        if self._closed:
+            self._budget.release(size)
+            self._raise_if_closed()
+        self._enqueue(frame, size)
+
+    def try_send(self, frame: Frame) -> bool:
+        """Queue one frame now if the send queue has room (False if not); from sync code.
+
+        Raises LinkClosed. Frames keep their order with ``send``'s.
+        """
+        frame, size = self._checked(frame)
+        if not self._budget.try_acquire(size):
+            return False
+        self._enqueue(frame, size)
+        return True
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued: a frame sent now is the next one written."""
+        return not self._outbox
+
+    def _checked(self, frame: Frame) -> tuple[Frame, int]:
         frame = _flat_body(frame)
         size = len(encode_header(frame.type, frame.header)) + len(frame.body)
         if size > self._config.max_frame_bytes:
             raise FrameTooLarge(f"frame of {size} bytes exceeds {self._config.max_frame_bytes}")
         self._raise_if_closed()
-        await self._budget.acquire(size, lambda: not self._closed)
-        if self._closed:
-            self._budget.release(size)
-            self._raise_if_closed()
+        return frame, size
+
+    def _enqueue(self, frame: Frame, size: int) -> None:
         self._outbox.append((frame, size))
         self._drained.clear()
         self._outbox_ready.set()

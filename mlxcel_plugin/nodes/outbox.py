@@ -7,7 +7,9 @@ per-request ``seq`` numbers promise.
 Results of one request that pile up before the task sends them go as one
 RESULT frame carrying all their tokens (``seq`` is its first token's index,
 so the router still sees every token in order): under load that is one frame
-per request per loop wakeup instead of one per token.
+per request per loop wakeup instead of one per token. When nothing is queued
+here or on the link, a frame goes to the link at once: a first token does not
+wait a loop turn behind the KV transfer that starts right after it.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ class Outbox:
         self._queue: collections.deque[Frame | _Results] = collections.deque()
         self._open: dict[str, _Results] = {}  # request id -> its queued results
         self._ready = asyncio.Event()
+        self._sending = False  # the task holds a frame the link has not taken yet
         self._task = asyncio.create_task(self._drain(), name="link-outbox")
 
     def put(self, frame: Frame) -> None:
-        if not self.link.closed:
-            self._open.clear()  # later results must not overtake this frame
+        if self.link.closed:
+            return
+        self._open.clear()  # later results must not overtake this frame
+        if not (self._can_send_now() and self._sent_now(frame)):
             self._append(frame)
 
     def put_result(self, result: Result) -> None:
@@ -64,9 +69,21 @@ class Outbox:
             queued.token_ids.extend(result.token_ids)
             queued.last = result
             return
+        if self._can_send_now() and self._sent_now(result.to_frame()):
+            return
         queued = _Results(result, result, list(result.token_ids))
         self._open[result.request_id] = queued
         self._append(queued)
+
+    def _can_send_now(self) -> bool:
+        """Nothing waits here or on the link: a frame sent now keeps its order."""
+        return not self._queue and not self._sending and self.link.idle
+
+    def _sent_now(self, frame: Frame) -> bool:
+        try:
+            return self.link.try_send(frame)
+        except LinkClosed:
+            return True  # dropped like every frame queued for a closed link
 
     def _append(self, item: Frame | _Results) -> None:
         self._queue.append(item)
@@ -87,7 +104,11 @@ class Outbox:
                     self._ready.clear()
                     await self._ready.wait()
                     continue
-                await self.link.send(self._next_frame())
+                self._sending = True
+                try:
+                    await self.link.send(self._next_frame())
+                finally:
+                    self._sending = False
         except LinkClosed:
             logger.debug("outbox to %s: link closed, %d frames dropped", self.link.peer_node_id,
                          len(self._queue))

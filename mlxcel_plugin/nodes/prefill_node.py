@@ -197,11 +197,13 @@ class PrefillNode:
         events = self._engine_events
         self.metrics.queue_time.observe(time.monotonic() - job.submitted_s)
         job.submitted_s = time.monotonic()
-        on_layer = None
-        if job.request.max_tokens > 1:  # max_tokens == 1 ends at the first token: no handoff
-            job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
-            on_layer = lambda index, layer: events.put((job, index, layer))  # noqa: E731
+        hands_off = job.request.max_tokens > 1  # max_tokens == 1 ends at the first token
+        on_layer = (lambda index, layer: events.put((job, index, layer))) if hands_off else None
         self.engine.prefill(job.request, lambda result: events.put((job, None, result)), on_layer)
+        if hands_off:
+            # After the engine has the request (the first token's path), before any layer
+            # event: those reach this loop only after this callback returns.
+            job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
 
     def _on_engine_event(self, event: tuple[_Job, int | None, Any]) -> None:
         """A layer (index, layer) or the end of prefill (None, result), on the loop."""
