@@ -123,22 +123,25 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; cancel it (running its cleanup) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if task.done():
-            # The usual case: the watcher only waits on receive(); it needs no waiting for.
+    """Await ``work`` in this task; cancel it (running its cleanup) if the client goes away.
+
+    Run here rather than in a task of its own: the first token wakes the handler
+    directly, one loop turn sooner.
+    """
+    with anyio.CancelScope() as scope:
+
+        async def watch() -> None:
+            await _until_disconnect(request)
+            scope.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await work
+        finally:
+            watcher.cancel()
+            # Usually it only waits on receive(): nothing to wait for, just reap it.
             watcher.add_done_callback(_retrieve)
-        else:
-            task.cancel()
-            await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
+    raise ClientDisconnected()
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
