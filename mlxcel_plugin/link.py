@@ -167,6 +167,7 @@ class Link:
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
         self._body_sink: BodySink | None = None
+        self._handler: Callable[[Frame], None] | None = None
         self._done = asyncio.Event()
         self._closer: asyncio.Task[None] | None = None
         self._tasks = [asyncio.create_task(self._write_loop(), name="link-writer"),
@@ -211,6 +212,29 @@ class Link:
         in their record as before.
         """
         self._body_sink = sink
+
+    def deliver_to(self, handler: Callable[[Frame], None]) -> None:
+        """Hand every later frame to ``handler`` on the reader task instead of ``recv``.
+
+        One task hop less per frame. Frames keep their order: frames that arrived
+        before this call go to ``handler`` now, and a body on the bulk channel is
+        awaited before the frames behind it. A ProtocolError raised by the handler
+        closes the link with 1008, like a malformed record.
+        """
+        try:
+            while not self._inbox.empty():  # bounded by the queue's length
+                item = self._inbox.get_nowait()
+                if item is _CLOSED:
+                    break
+                if isinstance(item, asyncio.Future):
+                    if not item.done():
+                        raise RuntimeError("deliver_to: set it before bulk bodies arrive")
+                    item = item.result()
+                if item is not None:
+                    handler(item)
+        except ProtocolError as exc:
+            self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
+        self._handler = handler
 
     async def send(self, frame: Frame) -> None:
         """Queue one frame; waits while the send queue is full. Raises LinkClosed.
@@ -478,8 +502,8 @@ class Link:
         try:
             while True:  # until the peer closes or breaks the protocol
                 message = await self._ws.recv()
-                for frame in await self._handle_message(message):
-                    await self._inbox.put(frame)
+                for item in await self._handle_message(message):
+                    await self._hand_over(item)
         except ConnectionClosed as exc:
             # Bodies announced before the close are still arriving on the bulk channel.
             await self._finish_bulk_reads()
@@ -488,6 +512,15 @@ class Link:
             self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
         except OSError as exc:
             self._spawn_fail((exc, CLOSE_GOING_AWAY))
+
+    async def _hand_over(self, item: Frame | asyncio.Future) -> None:
+        handler = self._handler
+        if handler is None:
+            await self._inbox.put(item)
+            return
+        frame = await item if isinstance(item, asyncio.Future) else item
+        if frame is not None:
+            handler(frame)
 
     async def _finish_bulk_reads(self) -> None:
         if self._last_bulk_read is not None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from mlxcel_plugin.errors import HandshakeError, NodeLostError, ProtocolError
+from mlxcel_plugin.errors import HandshakeError, NodeLostError
 from mlxcel_plugin.frames import (
     Cancel,
     ErrorFrame,
@@ -212,15 +212,13 @@ class PeerLink:
             return
 
     async def _read(self, link: Link) -> str:
-        """Dispatch frames until the link closes; returns why it closed."""
-        try:
-            async for frame in link:
-                self._dispatch(frame)
-        except ProtocolError as exc:
-            # A malformed frame from the peer: this link cannot be trusted any more.
-            logger.warning("bad frame from %s: %s; closing", self.node_id, exc.message)
-            await link.close(flush=False)
-            return exc.code or "protocol_error"
+        """Dispatch frames (on the link's reader) until the link closes; returns why.
+
+        A malformed frame raises ProtocolError in ``_dispatch``: the link closes
+        with 1008 and logs it, naming the peer; this link cannot be trusted any more.
+        """
+        link.deliver_to(self._dispatch)
+        await link.wait_closed()
         return link.error.code if link.error is not None else "link closed"
 
     def _lost(self, link: Link, error: str) -> None:

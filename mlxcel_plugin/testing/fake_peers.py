@@ -5,11 +5,17 @@ REQUEST with ``decode_target`` on prefill, RESULT seq 0 from prefill, 1, 2, ...
 from decode, CANCEL, TELEMETRY, ERROR); the KV handoff itself is a direct
 method call between the two fakes (it is not the router's business). Tokens
 come from a script: ``script(prompt_token_ids) -> completion token ids``.
+
+As a process (zero-cost nodes for router benchmarks)::
+
+    python -m mlxcel_plugin.testing.fake_peers --cluster-secret-file F \
+        --prefill-bind 127.0.0.1:P --decode-bind 127.0.0.1:D
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +29,7 @@ from mlxcel_plugin.frames import (
 )
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link_server import LinkServer, serve_links
+from mlxcel_plugin.secret import ClusterSecret, load_cluster_secret
 
 SECRET = bytes(range(32))
 EOS = 2
@@ -48,6 +55,7 @@ class FakeNode:
     role: str
     node_id: str
     bind: str = "127.0.0.1:0"
+    secret: ClusterSecret | bytes = SECRET
     telemetry_interval_s: float = 0.2
     server: LinkServer | None = None
     received: list[object] = field(default_factory=list)
@@ -59,7 +67,7 @@ class FakeNode:
         return self.server.address
 
     async def start(self) -> FakeNode:
-        self.server = await serve_links(self.bind, SECRET, self.role, self.node_id,
+        self.server = await serve_links(self.bind, self.secret, self.role, self.node_id,
                                         {"router"}, self._on_link)
         self.bind = self.server.address  # a restart comes back on the same port
         return self
@@ -146,6 +154,9 @@ class FakeDecode(FakeNode):
     async def _stream(self, claim: _Claim, tokens: list[int]) -> None:
         request = claim.request
         limit = min(len(tokens), request.max_tokens - 1)
+        if not self.token_delay_s and EOS not in tokens[:limit]:
+            await self._send_at_once(claim, tokens[:limit], limit == len(tokens))
+            return
         for i in range(limit):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
@@ -159,6 +170,16 @@ class FakeDecode(FakeNode):
                                          i + 2).to_frame())
             if last:
                 break
+        self.claims.pop(request.request_id, None)
+        self.streams.pop(request.request_id, None)
+
+
+    async def _send_at_once(self, claim: _Claim, tokens: list[int], ran_out: bool) -> None:
+        """Zero cost: every token is ready at once, so one RESULT carries them all."""
+        request = claim.request
+        finish = "stop" if ran_out else "length"
+        await claim.link.send(Result(request.request_id, 1, tokens, finish,
+                                     len(tokens) + 1).to_frame())
         self.claims.pop(request.request_id, None)
         self.streams.pop(request.request_id, None)
 
@@ -215,3 +236,52 @@ class FakePrefill(FakeNode):
             if decode.handoff(request.request_id, tokens):
                 return
             await asyncio.sleep(0.005)
+
+
+# ---------------------------------------------------------------- as a process
+
+
+@functools.lru_cache(maxsize=64)
+def _long_completion(base: int, length: int) -> tuple[int, ...]:
+    return tuple(100 + (base + i * 7919) % 20000 for i in range(length))
+
+
+def long_script(prompt: Sequence[int], length: int = 8192) -> list[int]:
+    """``length`` regular tokens that depend on the prompt, no EOS: max_tokens ends it."""
+    return list(_long_completion(sum(prompt) % 1000, length))
+
+
+async def serve_pair(secret: ClusterSecret, prefill_bind: str, decode_bind: str) -> None:
+    decode = await FakeDecode(bind=decode_bind, secret=secret).start()
+    prefill = FakePrefill(bind=prefill_bind, secret=secret, script=long_script,
+                          decodes={decode.address: decode})
+    await prefill.start()
+    await asyncio.Event().wait()  # until the process is stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(description="zero-cost prefill + decode link peers")
+    parser.add_argument("--cluster-secret-file", required=True)
+    parser.add_argument("--prefill-bind", required=True)
+    parser.add_argument("--decode-bind", required=True)
+    args = parser.parse_args(argv)
+    secret = load_cluster_secret(args.cluster_secret_file, os.environ)
+    with asyncio.Runner(loop_factory=_fastest_loop()) as runner:
+        runner.run(serve_pair(secret, args.prefill_bind, args.decode_bind))
+    return 0
+
+
+def _fastest_loop():
+    """uvloop when installed (the real nodes run on it too)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

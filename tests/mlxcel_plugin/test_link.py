@@ -11,7 +11,15 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from mlxcel_plugin.frames import Frame, FrameType, Ping, Request, Result, decode_frame
+from mlxcel_plugin.frames import (
+    Frame,
+    FrameType,
+    MalformedFrame,
+    Ping,
+    Request,
+    Result,
+    decode_frame,
+)
 from mlxcel_plugin.handshake import BadMac, ClientHandshake, PeerAtCapacity, RoleRefused
 from mlxcel_plugin.link import LinkClosed, LinkConfig
 from mlxcel_plugin.link_dial import Backoff, dial_link, dial_with_backoff
@@ -365,3 +373,50 @@ def test_a_malformed_batch_record_closes_with_policy_violation():
             assert info.value.rcvd.code == 1008
 
     run(main())
+
+
+def test_deliver_to_hands_frames_in_order_including_those_queued_before():
+    async def main():
+        got = []
+
+        async def send_ten(link):
+            for i in range(10):
+                await link.send(Result(f"r{i}", i, [i]).to_frame())
+                if i == 4:
+                    await asyncio.sleep(0.2)  # the first five are queued before deliver_to
+            await link.drain()
+            await link.wait_closed()
+
+        async with await serve(on_link=send_ten) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            await asyncio.sleep(0.1)
+            link.deliver_to(lambda frame: got.append(Result.from_frame(frame).request_id))
+            for _ in range(100):  # bounded wait for the last five
+                if len(got) == 10:
+                    break
+                await asyncio.sleep(0.02)
+            await link.close()
+        return got
+
+    assert run(main()) == [f"r{i}" for i in range(10)]
+
+
+def test_a_protocol_error_in_the_handler_closes_the_link_with_1008(caplog):
+    async def main():
+        async def send_one(link):
+            await link.send(Result("r", 0, [1]).to_frame())
+            await link.wait_closed()
+
+        def refuse(frame):
+            raise MalformedFrame("not what this handler expects")
+
+        async with await serve(on_link=send_one) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            link.deliver_to(refuse)
+            await asyncio.wait_for(link.wait_closed(), 5)
+            return link
+
+    with caplog.at_level(logging.WARNING, logger="mlxcel_plugin.link"):
+        link = run(main())
+    assert link.closed and link.error.code == "frame_malformed"
+    assert "not what this handler expects" in caplog.text and "d1" in caplog.text

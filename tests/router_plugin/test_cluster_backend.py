@@ -23,7 +23,7 @@ from router_plugin.node_pool import NodeHealth, NodePool
 from router_plugin.peer_links import PeerLinks, make_dialer
 from router_plugin.stats import RouterStats
 from tests.router_plugin.fake_engine import FakeEngine
-from tests.router_plugin.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
+from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Backoff(initial_s=0.02, max_s=0.2)
