@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 from starlette.types import Send
 
 from mlxcel_plugin.engine_api import GenerationRequest
@@ -355,8 +356,11 @@ def make_app(
     )
     install_error_handlers(app)
     app.state.front = front
-    app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", front.completions, methods=["POST"])
+    # Plain Starlette routes: the handlers parse their own bodies, so FastAPI's
+    # per-request dependency machinery would only add latency to the first token.
+    app.router.routes.append(Route("/v1/chat/completions", front.chat_completions,
+                                   methods=["POST"]))
+    app.router.routes.append(Route("/v1/completions", front.completions, methods=["POST"]))
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/health", front.health, methods=["GET"])
     app.add_api_route("/metrics", front.render_metrics, methods=["GET"])
