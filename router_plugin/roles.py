@@ -158,5 +158,6 @@ def _serve(app: FastAPI, config: Any) -> None:
         port=config.port,
         workers=1,
         log_level="warning",
+        access_log=False,  # /metrics counts requests; a log line per request is pure cost
         timeout_graceful_shutdown=5,
     )
