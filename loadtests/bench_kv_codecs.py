@@ -4,8 +4,10 @@ Numpy only (no MLX): the cache is shaped like SmolLM2-135M's (30 layers, 3 KV
 heads, head_dim 64) and filled with per-channel-scaled Gaussian noise (the
 pessimistic case: no lossless codec shrinks it) or smooth per-channel
 sinusoids (RoPE-like; byte-plane shuffling then helps LZ4). Each codec runs
-on the writer's real chunks (``--chunk-mib``), so figures include per-chunk
-overheads.
+on the writer's real chunks (``--chunk-mib``) with the layout the writer
+passes (K or V, tokens per head, first row), so figures include per-chunk
+overheads. Max rel err is the worst |error| over the larger of its row's and
+column's max |x| (int8/int4 keys are grouped along tokens, per channel).
 
 ``transcode_cache`` (a cache through a codec and back, as a decode node would
 receive it) is the hook for the real-model agreement benchmark: prefill with
@@ -24,7 +26,13 @@ import numpy as np
 from bench_common import add_common_args, bench_result, table, write_json
 
 from mlxcel_plugin.engine_api import CacheState
-from mlxcel_plugin.kv_codecs import KVCodec, builtin_codecs, resolve_codec, to_float32
+from mlxcel_plugin.kv_codecs import (
+    ChunkLayout,
+    KVCodec,
+    builtin_codecs,
+    resolve_codec,
+    to_float32,
+)
 from mlxcel_plugin.kv_serde import (
     KVAssembler,
     ModelFingerprint,
@@ -55,25 +63,45 @@ def best_time(action: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def chunks_of(cache: CacheState, head_dim: int, chunk_bytes: int) -> list[np.ndarray]:
+Chunk = tuple[np.ndarray, ChunkLayout]
+
+
+def chunks_of(cache: CacheState, head_dim: int, chunk_bytes: int) -> list[Chunk]:
+    """The writer's chunks, each with the layout the writer hands the codec."""
     rows_per_chunk = max(1, chunk_bytes // (head_dim * cache.layers[0].keys.itemsize))
     chunks = []
     for layer in cache.layers:
-        for tensor in (layer.keys, layer.values):
+        for name, tensor in (("k", layer.keys), ("v", layer.values)):
             rows = tensor.reshape(-1, head_dim)
-            chunks.extend(rows[i : i + rows_per_chunk] for i in range(0, len(rows), rows_per_chunk))
+            tokens = tensor.shape[2]
+            chunks.extend(
+                (rows[i : i + rows_per_chunk], ChunkLayout(name, tokens, i))
+                for i in range(0, len(rows), rows_per_chunk)
+            )
     return chunks
 
 
-def codec_figures(codec: KVCodec, chunks: list[np.ndarray], dtype: str, repeats: int) -> dict:
-    raw = sum(chunk.nbytes for chunk in chunks)
-    encoded = [codec.encode(chunk, dtype) for chunk in chunks]
-    encode_s = best_time(lambda: [codec.encode(chunk, dtype) for chunk in chunks], repeats)
+def relative_error(chunk: np.ndarray, decoded: np.ndarray, dtype: str) -> float:
+    """Worst |error| over the larger of its row's and column's max |x| (a group's extent)."""
+    want, got = to_float32(chunk, dtype), to_float32(decoded, dtype)
+    magnitude = np.abs(want)
+    extent = np.maximum(magnitude.max(axis=-1, keepdims=True), magnitude.max(axis=0)) + 1e-30
+    return float((np.abs(got - want) / extent).max())
+
+
+def codec_figures(codec: KVCodec, chunks: list[Chunk], dtype: str, repeats: int) -> dict:
+    raw = sum(chunk.nbytes for chunk, _ in chunks)
+
+    def encode_all() -> list:
+        return [codec.encode(chunk, dtype, layout) for chunk, layout in chunks]
+
+    encoded = encode_all()
+    encode_s = best_time(encode_all, repeats)
 
     def decode_all() -> list[np.ndarray]:
         return [
             codec.decode(body, meta, chunk.shape, dtype)
-            for (body, meta), chunk in zip(encoded, chunks, strict=True)
+            for (body, meta), (chunk, _) in zip(encoded, chunks, strict=True)
         ]
 
     decode_s = best_time(decode_all, repeats)
@@ -84,12 +112,10 @@ def codec_figures(codec: KVCodec, chunks: list[np.ndarray], dtype: str, repeats:
         "max_rel_error": 0.0,
     }
     if not codec.lossless:
-        worst = 0.0
-        for chunk, decoded in zip(chunks, decode_all(), strict=True):
-            want, got = to_float32(chunk, dtype), to_float32(decoded, dtype)
-            row_max = np.abs(want).max(axis=-1, keepdims=True) + 1e-30
-            worst = max(worst, float((np.abs(got - want) / row_max).max()))
-        figures["max_rel_error"] = worst
+        figures["max_rel_error"] = max(
+            relative_error(chunk, decoded, dtype)
+            for (chunk, _), decoded in zip(chunks, decode_all(), strict=True)
+        )
     return figures
 
 

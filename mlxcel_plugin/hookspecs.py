@@ -79,8 +79,9 @@ def mlxcel_register_kv_codecs(register: Register) -> None:
     """Register KV codecs (compression, quantization).
 
     :param register: ``register(name, codec)``; ``codec`` has ``name``,
-        ``lossless``, ``profile`` and implements ``encode(array, dtype) ->
-        (bytes, meta)`` / ``decode(bytes, meta, shape, dtype) -> array`` (see
+        ``lossless``, ``profile`` and implements ``encode(array, dtype,
+        layout=None) -> (bytes, meta)`` / ``decode(bytes, meta, shape, dtype)
+        -> array`` (``layout``: K or V, tokens per head, first row; see
         ``mlxcel_plugin.kv_codecs.base``). Names compose: ``int8+lz4``.
     :return: nothing.
 

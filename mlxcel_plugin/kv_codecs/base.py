@@ -2,9 +2,12 @@
 
 A codec turns one chunk of a K or V tensor (a C-contiguous ``[rows, head_dim]``
 array; bfloat16 as a ``uint16`` view) into bytes plus a small msgpack-able
-``meta`` dict, and back. Chunks are independent: a receiver decodes them in any
-order. ``decode`` must never allocate more than the declared shape needs, and
-must refuse bad input with ``CorruptChunk`` (never another exception type).
+``meta`` dict, and back. The sender says where the chunk sits (``ChunkLayout``:
+K or V, tokens per head, first row), so a codec may group values along tokens;
+``decode`` gets no layout: whatever it needs must travel in ``meta``. Chunks are
+independent: a receiver decodes them in any order. ``decode`` must never
+allocate more than the declared shape needs, and must refuse bad input with
+``CorruptChunk`` (never another exception type).
 """
 
 from __future__ import annotations
@@ -50,6 +53,23 @@ class CorruptChunk(CodecError):
 
 
 @dataclass(frozen=True)
+class ChunkLayout:
+    """Where a chunk's rows sit in its layer tensor, seen as ``[kv_heads * tokens, head_dim]``.
+
+    Rows are head-major: row ``i`` of the tensor is token ``i % tokens`` of
+    head ``i // tokens``, so a chunk may start mid-head and span several heads.
+    """
+
+    tensor: str  # "k" or "v"
+    tokens: int  # tokens per head in this layer
+    first_row: int  # the chunk's first row in the tensor
+
+    @property
+    def first_token(self) -> int:
+        return self.first_row % self.tokens
+
+
+@dataclass(frozen=True)
 class CodecProfile:
     """Nominal figures the AdaptiveSelector plans with.
 
@@ -60,7 +80,8 @@ class CodecProfile:
     ratio: float = 1.0  # raw bytes / encoded bytes
     encode_bytes_per_s: float = math.inf
     decode_bytes_per_s: float = math.inf
-    # Bound on |x - decoded| relative to the group's max |x| (0 for lossless).
+    # Bound on |x - decoded| relative to the max |x| of the element's group; a
+    # group lies along a row or a column of the chunk (0 for lossless).
     relative_error: float = 0.0
 
 
@@ -70,8 +91,14 @@ class KVCodec(Protocol):
     lossless: bool
     profile: CodecProfile
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
-        """Encode a C-contiguous chunk whose logical dtype is ``dtype``."""
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
+        """Encode a C-contiguous chunk whose logical dtype is ``dtype``.
+
+        ``layout`` is None where the chunk is not a K/V tensor slice (the inner
+        stages of a chain see bytes); a codec must then encode without it.
+        """
         ...
 
     def decode(

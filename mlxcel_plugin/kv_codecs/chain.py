@@ -10,6 +10,7 @@ import numpy as np
 
 from mlxcel_plugin.kv_codecs.base import (
     Buffer,
+    ChunkLayout,
     CodecError,
     CodecProfile,
     CorruptChunk,
@@ -52,8 +53,11 @@ class ChainCodec:
         # profile beats the product of the parts when one is known.
         self.profile = profile or chain_profile(stages)
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
-        data, first_meta = self.stages[0].encode(array, dtype)
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
+        # Only the first stage sees the tensor, so only it gets the layout.
+        data, first_meta = self.stages[0].encode(array, dtype, layout)
         metas, sizes = [first_meta], []
         for stage in self.stages[1:]:
             sizes.append(len(data))

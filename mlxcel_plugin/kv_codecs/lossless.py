@@ -10,6 +10,7 @@ import numpy as np
 
 from mlxcel_plugin.kv_codecs.base import (
     Buffer,
+    ChunkLayout,
     CodecProfile,
     CorruptChunk,
     expected_nbytes,
@@ -27,7 +28,9 @@ class IdentityCodec:
     lossless = True
     profile = CodecProfile()
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
         return raw_view(array), {}
 
     def decode(
@@ -49,7 +52,9 @@ class Lz4Codec:
     # fast on incompressible input, so 600 MB/s is the compressible-data figure.
     profile = CodecProfile(ratio=1.05, encode_bytes_per_s=600e6, decode_bytes_per_s=2.5e9)
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
         raw = raw_view(array)
         packed = lz4.block.compress(raw, store_size=False)
         if len(packed) < len(raw):
@@ -81,7 +86,9 @@ class ShuffleCodec:
     lossless = True
     profile = CodecProfile(encode_bytes_per_s=1.5e9, decode_bytes_per_s=1.2e9)
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
         width = storage_dtype(dtype).itemsize
         planes = np.ascontiguousarray(array).view(np.uint8).reshape(-1, width)
         return np.ascontiguousarray(planes.T).data.cast("B"), {}

@@ -1,40 +1,67 @@
-"""Group-wise symmetric quantization (int8, int4) along head_dim.
+"""Group-wise quantization (int8, int4) of K/V chunks.
 
-Each group of ``group_size`` consecutive values of one row (one head, one
-token) shares a scale ``max|x| / qmax``. Body layout: all scales, then the
-codes (int8; or int4 as ``code + 8`` packed two per byte, even element in the
-low nibble). Lossy: never chosen by the adaptive selector unless the config
-allows it — exact parity with a single node needs lossless.
+The scheme follows KIVI, chosen by measurement on SmolLM2 (greedy-token
+agreement, see ``loadtests/bench_kv_agreement.py``):
 
-Scales are as wide as the data needs (``meta["s"]``): float16 data gets
-``<f2`` scales and bfloat16 data bfloat16 ones (raw ``<u2`` bits), rounded up
-so no code clips — 4 bytes per 64-value group were 3% of an int8 body. A
-float16 chunk whose scales do not fit float16 (tiny or top-of-range groups)
-keeps ``<f4`` scales, as float32 data does; a body without ``s`` has ``<f4``.
+* keys: one group per channel per ``token_group`` tokens of a head,
+  asymmetric (group minimum + scale) — keys have outlier channels that would
+  set the step of a whole row, and many channels sit off zero;
+* values: one group per ``group_size`` values of a row, symmetric for int8
+  (scale only, to stay within ~0.05 bytes of metadata per element on fp16),
+  asymmetric for int4 (where one more level matters);
+* the first ``exact_tokens`` tokens of every head travel unquantized (the
+  attention sink; see ``groups``).
+
+Without a layout (``encode(array, dtype)``) the codec cannot tell K from V or
+heads apart: it quantizes as it does values, with no exact rows.
+
+Body layout: exact rows (raw, the tensor's own dtype), then group minimums
+(asymmetric only; in the tensor's own dtype, which holds them exactly), then
+scales, then codes — int8 as bytes (signed when symmetric), int4 packed two per
+byte, even element in the low nibble (``code + 8`` when symmetric). Rows of a
+group are in chunk order; token groups are channel-minor (``[group, head_dim]``).
+
+Meta (msgpack map): ``g`` group size (values along head_dim, or tokens); ``s``
+scale width (absent: ``<f4``; float16 data gets ``<f2`` and bfloat16 data
+bfloat16 scales, rounded up so no code clips, unless a scale does not fit);
+``a: "t"`` groups run along tokens; ``z: true`` asymmetric; ``t``, ``r``, ``x``
+tokens per head, the token index of row 0 and the exact leading tokens. A map
+with only ``g`` and ``s`` is the original format (symmetric, along head_dim).
+Lossy: never chosen by the adaptive selector unless the config allows it —
+exact parity with a single node needs lossless.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mlxcel_plugin.kv_codecs.base import (
     Buffer,
+    ChunkLayout,
     CodecError,
     CodecProfile,
     CorruptChunk,
+    meta_bool,
     meta_int,
     storage_dtype,
 )
+from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
 
 _SCALE = np.dtype("<f4")
 SCALE_F4, SCALE_F2, SCALE_BF16 = "f4", "f2", "bf16"
 _SCALE_DTYPES = {SCALE_F4: _SCALE, SCALE_F2: np.dtype("<f2"), SCALE_BF16: np.dtype("<u2")}
 _F16_MIN_NORMAL = 2.0**-14  # below it a float16 scale loses precision
 _F16_MAX = 65504.0
+_BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))
+_F32_MAX = float(np.finfo(np.float32).max)
+# Bounds for a hostile meta; real layers are far below them.
+MAX_TOKENS_PER_HEAD = 1 << 24
+MAX_TOKEN_GROUP = 1 << 16
 
 
 def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
@@ -55,84 +82,259 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(storage_dtype(dtype))
 
 
+def finite_max(dtype: str) -> float:
+    """The largest finite value of ``dtype``: decoded values are clipped to it."""
+    return {"float16": _F16_MAX, "bfloat16": _BF16_MAX}.get(dtype, _F32_MAX)
+
+
 def effective_group(head_dim: int, group_size: int) -> int:
     """Groups never straddle rows; a head_dim the group does not divide uses whole rows."""
     return group_size if head_dim % group_size == 0 else head_dim
 
 
+@dataclass(frozen=True)
+class ChunkFormat:
+    """How one chunk was quantized: everything ``decode`` needs besides the shape."""
+
+    group: int
+    along_tokens: bool
+    asymmetric: bool
+    span: TokenSpan | None  # None: no layout was known (no exact rows, no token groups)
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"g": self.group}
+        if self.along_tokens:
+            meta["a"] = "t"
+        if self.asymmetric:
+            meta["z"] = True
+        if self.span is not None:
+            meta.update(t=self.span.tokens, r=self.span.first, x=self.span.exact)
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any], head_dim: int) -> ChunkFormat:
+        along_tokens = _meta_axis(meta)
+        span = _meta_span(meta) if along_tokens or "t" in meta else None
+        if along_tokens and span is None:
+            raise CorruptChunk("token groups need the chunk's token span")
+        group_limit = MAX_TOKEN_GROUP if along_tokens else max(head_dim, 1)
+        group = meta_int(meta, "g", 1, group_limit)
+        if not along_tokens and head_dim % group:
+            raise CorruptChunk(f"group {group} does not divide head_dim {head_dim}")
+        asymmetric = meta_bool(meta, "z") if "z" in meta else False
+        return cls(group, along_tokens, asymmetric, span)
+
+    def split(self, rows: int, head_dim: int) -> tuple[np.ndarray | None, DimGroups | TokenGroups]:
+        """(mask of rows sent exact, or None; the groups of the other rows)."""
+        exact = None
+        positions = None
+        if self.span is not None:
+            positions = self.span.positions(rows)
+            exact = positions < self.span.exact if self.span.exact else None
+        quantized = rows - (int(exact.sum()) if exact is not None else 0)
+        if not self.along_tokens:
+            return exact, DimGroups(self.group, quantized, head_dim)
+        if exact is not None:
+            positions = positions[~exact]
+        return exact, TokenGroups(self.group, positions, head_dim, self.span.exact)
+
+
+def _meta_axis(meta: Mapping[str, Any]) -> bool:
+    axis = meta.get("a") if isinstance(meta, Mapping) else None
+    if axis not in (None, "t"):
+        raise CorruptChunk(f"codec meta 'a' must be 't' or absent, got {axis!r:.20}")
+    return axis == "t"
+
+
+def _meta_span(meta: Mapping[str, Any]) -> TokenSpan:
+    tokens = meta_int(meta, "t", 1, MAX_TOKENS_PER_HEAD)
+    return TokenSpan(tokens, meta_int(meta, "r", 0, tokens - 1), meta_int(meta, "x", 0, tokens))
+
+
 class GroupQuantCodec:
-    def __init__(self, bits: int, group_size: int = 64):
+    def __init__(
+        self, bits: int, group_size: int = 64, token_group: int = 128, exact_tokens: int = 1
+    ):
         if bits not in (4, 8):
             raise CodecError(f"bits must be 4 or 8, got {bits}")
         self.bits = bits
         self.group_size = group_size
+        self.token_group = token_group
+        self.exact_tokens = exact_tokens
         self.qmax = (1 << (bits - 1)) - 1  # symmetric: 127 or 7
+        self.levels = (1 << bits) - 1  # asymmetric: 255 or 15
+        # int8 cannot afford a value minimum within ~0.05 bytes/element; int4 needs it.
+        self.asymmetric_values = bits == 4
         self.name = f"int{bits}"
         self.lossless = False
-        # fp16 input, head_dim 128: (64 codes + 2-byte scale) per 128 raw bytes.
-        code_bytes = group_size * bits // 8
         self.profile = CodecProfile(
-            ratio=(2 * group_size) / (code_bytes + 2),
-            # bench_kv_codecs.py on fp16, 2 x86 cores (int4's unpacking is the slow part).
-            encode_bytes_per_s=600e6,
-            decode_bytes_per_s=700e6 if bits == 8 else 380e6,
-            # Half a step of rounding, plus the output dtype's own rounding (a
-            # rounded-up half-precision scale widens the step by at most 2**-7).
+            ratio=self._nominal_ratio(),
+            # bench_kv_codecs.py on fp16, 2 x86 cores (int4's packing is the slow part).
+            encode_bytes_per_s=500e6 if bits == 8 else 400e6,
+            decode_bytes_per_s=650e6,
+            # Half a step of rounding (an asymmetric step is range / levels <= 2 max|x| /
+            # (2 qmax + 1)), plus half-precision rounding of scale and output (2**-7 at most).
             relative_error=0.5 / self.qmax + 2.0**-8,
         )
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
-        group = effective_group(array.shape[-1], self.group_size)
-        groups = to_float32(array, dtype).reshape(-1, group)
-        scales = (np.abs(groups).max(axis=1) / self.qmax).astype(_SCALE)
-        if not np.isfinite(scales).all():
-            raise CodecError(f"{self.name}: tensor holds inf/nan, cannot quantize")
-        kind, stored, scales = self._narrow_scales(scales, dtype)
-        inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
-        codes = np.clip(np.rint(groups * inverse[:, None]), -self.qmax, self.qmax)
-        body = stored.tobytes() + self._pack(codes.astype(np.int8).reshape(-1))
-        meta: dict[str, Any] = {"g": group}
+    def _nominal_ratio(self) -> float:
+        """fp16 bytes / encoded bytes for a long prompt (metadata of K and V averaged)."""
+        key_meta = 4 / self.token_group  # fp16 minimum + scale per channel per token group
+        value_meta = (4 if self.asymmetric_values else 2) / self.group_size
+        return 2 / (self.bits / 8 + (key_meta + value_meta) / 2)
+
+    def chunk_format(self, head_dim: int, layout: ChunkLayout | None) -> ChunkFormat:
+        if layout is None:
+            group = effective_group(head_dim, self.group_size)
+            return ChunkFormat(group, False, self.asymmetric_values, None)
+        span = TokenSpan(layout.tokens, layout.first_token, min(self.exact_tokens, layout.tokens))
+        if layout.tensor == "k":
+            return ChunkFormat(self.token_group, True, True, span)
+        group = effective_group(head_dim, self.group_size)
+        return ChunkFormat(group, False, self.asymmetric_values, span)
+
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
+        head_dim = array.shape[-1]
+        fmt = self.chunk_format(head_dim, layout)
+        rows = array.size // head_dim
+        array = array.reshape(rows, head_dim)
+        exact, groups = fmt.split(rows, head_dim)
+        exact_part = array[exact].tobytes() if exact is not None else b""
+        quantized = array[~exact] if exact is not None else array
+        values = to_float32(quantized, dtype)
+        minimums, scales = self._group_ranges(values, groups, fmt.asymmetric)
+        kind, stored, scales = self._narrow_scales(scales, dtype, fmt.asymmetric)
+        codes = self._quantize(values, groups, minimums, scales)
+        minimum_part = from_float32(minimums, dtype).tobytes() if fmt.asymmetric else b""
+        body = exact_part + minimum_part + stored.tobytes() + self._pack(codes, fmt.asymmetric)
+        meta = fmt.to_meta()
         if kind != SCALE_F4:
             meta["s"] = kind
         return body, meta
 
-    def _narrow_scales(self, scales: np.ndarray, dtype: str) -> tuple[str, np.ndarray, np.ndarray]:
+    def _group_ranges(
+        self, values: np.ndarray, groups: DimGroups | TokenGroups, asymmetric: bool
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """(group minimums or None, float32 scales); refuses inf/nan."""
+        if asymmetric:
+            low, high = groups.reduce(values, np.minimum), groups.reduce(values, np.maximum)
+            with np.errstate(over="ignore", invalid="ignore"):
+                scales = ((high - low) / self.levels).astype(_SCALE)
+            finite = np.isfinite(scales).all() and np.isfinite(low).all()
+        else:
+            low, scales = None, (groups.reduce(np.abs(values), np.maximum) / self.qmax)
+            scales = scales.astype(_SCALE)
+            finite = np.isfinite(scales).all()
+        if not finite:
+            raise CodecError(f"{self.name}: tensor holds inf/nan, cannot quantize")
+        return low, scales
+
+    def _quantize(
+        self,
+        values: np.ndarray,
+        groups: DimGroups | TokenGroups,
+        minimums: np.ndarray | None,
+        scales: np.ndarray,
+    ) -> np.ndarray:
+        inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
+        grouped = groups.view(values)
+        if minimums is None:
+            codes = np.rint(grouped * groups.expand(inverse))
+            return np.clip(codes, -self.qmax, self.qmax, out=codes)
+        codes = np.rint((grouped - groups.expand(minimums)) * groups.expand(inverse))
+        return np.clip(codes, 0, self.levels, out=codes)
+
+    def _max_scale(self, dtype: str, asymmetric: bool) -> float:
+        """The largest scale an encoder of ``dtype`` data produces (an asymmetric range
+        spans up to twice the dtype's max), with slack for float32 rounding."""
+        reach = finite_max(dtype) if dtype != "bfloat16" else _F32_MAX
+        steps = self.levels if asymmetric else self.qmax
+        return (2 if asymmetric else 1) * reach / steps * (1 + 2.0**-20)
+
+    def _narrow_scales(
+        self, scales: np.ndarray, dtype: str, asymmetric: bool
+    ) -> tuple[str, np.ndarray, np.ndarray]:
         """(kind, scales as stored, the same as float32): half width where exact enough."""
+        limit = self._max_scale(dtype, asymmetric)
         if dtype == "bfloat16":
             bits = scales.view("<u4")
             # Round up (never down: a smaller scale would clip the group's max).
             up = ((bits.astype(np.uint64) + 0xFFFF) >> 16).astype("<u2")
             widened = (up.astype("<u4") << 16).view("<f4")
-            if np.isfinite(widened * self.qmax).all():
+            if (widened <= limit).all():
                 return SCALE_BF16, up, widened
         elif dtype == "float16":
             half = scales.astype("<f2")
             half = np.where(half.astype("<f4") < scales, np.nextafter(half, np.inf), half)
             widened = half.astype("<f4")
             usable = (widened == 0) | (widened >= _F16_MIN_NORMAL)
-            if usable.all() and (widened * self.qmax <= _F16_MAX).all():
+            if usable.all() and (widened <= limit).all():
                 return SCALE_F2, half.astype("<f2"), widened
         return SCALE_F4, scales, scales
 
     def decode(
         self, data: Buffer, meta: Mapping[str, Any], shape: tuple[int, ...], dtype: str
     ) -> np.ndarray:
+        head_dim = shape[-1] if shape else 0
         count = math.prod(shape)
-        group = meta_int(meta, "g", 1, max(shape[-1], 1))
-        if count % group or shape[-1] % group:
-            raise CorruptChunk(f"{self.name}: group {group} does not divide shape {shape}")
-        n_groups = count // group
+        if not head_dim or count % head_dim:
+            raise CorruptChunk(f"{self.name}: cannot decode shape {shape}")
+        rows = count // head_dim
+        fmt = ChunkFormat.from_meta(meta, head_dim)
         scale_dtype = self._scale_dtype(meta, dtype)
-        code_bytes = count if self.bits == 8 else (count + 1) // 2
-        split = n_groups * scale_dtype.itemsize
-        want = split + code_bytes
-        if len(data) != want:
-            raise CorruptChunk(f"{self.name}: body is {len(data)} bytes, expected {want}")
-        scales = _widen(np.frombuffer(data, dtype=scale_dtype, count=n_groups))
-        self._check_scales(scales, dtype)
-        codes = self._unpack(np.frombuffer(data, dtype=np.uint8, offset=split), count)
-        values = codes.reshape(n_groups, group).astype("<f4") * scales[:, None]
-        return from_float32(values, dtype).reshape(shape)
+        exact, groups = fmt.split(rows, head_dim)
+        exact_count = int(exact.sum()) * head_dim if exact is not None else 0
+        quantized = count - exact_count
+        sections = self._sections(data, fmt, exact_count, groups, quantized, scale_dtype, dtype)
+        exact_rows, minimums, scales, packed = sections
+        scales = _widen(scales)
+        self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
+        codes = self._unpack(packed, quantized, fmt.asymmetric).astype("<f4")
+        values = groups.view(codes.reshape(-1, head_dim)) * groups.expand(scales)
+        if minimums is not None:
+            values += groups.expand(minimums)
+            limit = finite_max(dtype)
+            np.clip(values, -limit, limit, out=values)
+        return self._assemble(exact, exact_rows, from_float32(values, dtype), rows, head_dim, dtype)
+
+    def _sections(
+        self,
+        data: Buffer,
+        fmt: ChunkFormat,
+        exact_count: int,
+        groups: DimGroups | TokenGroups,
+        quantized: int,
+        scale_dtype: np.dtype,
+        dtype: str,
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+        """(exact values, minimums as float32 or None, stored scales, packed codes)."""
+        width = storage_dtype(dtype).itemsize
+        sizes = (
+            exact_count * width,
+            groups.count * width if fmt.asymmetric else 0,
+            groups.count * scale_dtype.itemsize,
+            quantized if self.bits == 8 else (quantized + 1) // 2,
+        )
+        if len(data) != sum(sizes):
+            raise CorruptChunk(f"{self.name}: body is {len(data)} bytes, expected {sum(sizes)}")
+        offsets = np.cumsum((0, *sizes))
+        raw = np.frombuffer(data, dtype=np.uint8)
+        parts = [raw[offsets[i] : offsets[i + 1]] for i in range(4)]
+        exact_values = parts[0].view(storage_dtype(dtype))
+        minimums = None
+        if fmt.asymmetric:
+            minimums = to_float32(parts[1].view(storage_dtype(dtype)), dtype)
+        return exact_values, minimums, parts[2].view(scale_dtype), parts[3]
+
+    def _assemble(self, exact, exact_rows, decoded, rows, head_dim, dtype) -> np.ndarray:
+        if exact is None:
+            return decoded.reshape(rows, head_dim)
+        out = np.empty((rows, head_dim), dtype=storage_dtype(dtype))
+        out[exact] = exact_rows.reshape(-1, head_dim)
+        out[~exact] = decoded.reshape(-1, head_dim)
+        return out
 
     def _scale_dtype(self, meta: Mapping[str, Any], dtype: str) -> np.dtype:
         kind = meta.get("s", SCALE_F4) if isinstance(meta, Mapping) else SCALE_F4
@@ -141,31 +343,35 @@ class GroupQuantCodec:
             raise CorruptChunk(f"{self.name}: scale kind {kind!r:.20} for {dtype} data")
         return _SCALE_DTYPES[kind]
 
-    def _check_scales(self, scales: np.ndarray, dtype: str) -> None:
-        """A scale no encoder of ``dtype`` data can produce means a corrupt body."""
-        limit = 65504.0 if dtype == "float16" else float(np.finfo(np.float32).max)
-        with np.errstate(over="ignore", invalid="ignore"):
-            largest = scales.astype(np.float64).max(initial=0.0) * self.qmax
-            # The slack absorbs float32 rounding of max|x| / qmax at the very top of the range.
-            ok = bool(np.all(scales >= 0)) and largest <= limit * (1 + 2.0**-20)
+    def _check_ranges(
+        self, scales: np.ndarray, minimums: np.ndarray | None, dtype: str, asymmetric: bool
+    ) -> None:
+        """A scale or minimum no encoder of ``dtype`` data can produce means a corrupt body."""
+        with np.errstate(invalid="ignore"):
+            ok = bool(np.all(scales >= 0)) and bool(
+                np.all(scales <= self._max_scale(dtype, asymmetric))
+            )
+        if minimums is not None:
+            ok = ok and bool(np.isfinite(minimums).all())
         if not ok:
             raise CorruptChunk(f"{self.name}: scales out of range for {dtype}")
 
-    def _pack(self, codes: np.ndarray) -> bytes:
+    def _pack(self, codes: np.ndarray, asymmetric: bool) -> bytes:
+        codes = codes.reshape(-1)
         if self.bits == 8:
-            return codes.tobytes()
-        nibbles = (codes + 8).astype(np.uint8)
+            return codes.astype(np.uint8 if asymmetric else np.int8).tobytes()
+        nibbles = (codes if asymmetric else codes + 8).astype(np.uint8)
         if nibbles.size % 2:
-            nibbles = np.append(nibbles, np.uint8(8))
+            nibbles = np.append(nibbles, np.uint8(0 if asymmetric else 8))
         return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
 
-    def _unpack(self, raw: np.ndarray, count: int) -> np.ndarray:
+    def _unpack(self, raw: np.ndarray, count: int, asymmetric: bool) -> np.ndarray:
         if self.bits == 8:
-            return raw.view(np.int8)
+            return raw.view(np.uint8 if asymmetric else np.int8)
         nibbles = np.empty(raw.size * 2, dtype=np.int8)
         nibbles[0::2] = raw & 0x0F
         nibbles[1::2] = raw >> 4
-        return nibbles[:count] - 8
+        return nibbles[:count] if asymmetric else nibbles[:count] - 8
 
 
 def _widen(scales: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 
 from mlxcel_plugin.engine_api import CacheLayer
-from mlxcel_plugin.kv_codecs import KVCodec, storage_dtype
+from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec, storage_dtype
 from mlxcel_plugin.kv_codecs.base import raw_view
 from mlxcel_plugin.kv_serde.errors import (
     FingerprintMismatch,
@@ -125,7 +125,8 @@ class KVWriter:
         crc = 0
         for row in range(0, rows.shape[0], step):
             part = rows[row : row + step]
-            body, meta = self.codec.encode(part, fp.dtype)
+            layout = ChunkLayout(tensor, descriptor.tokens, row)
+            body, meta = self.codec.encode(part, fp.dtype, layout)
             if len(body) > self.max_body_bytes:
                 raise OversizeDeclared(
                     f"{self.codec.name} chunk of {len(body)} bytes exceeds {self.max_body_bytes}"

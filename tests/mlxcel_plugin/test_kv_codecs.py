@@ -1,4 +1,4 @@
-"""KV codecs: LZ4 keep-if-smaller, quantization error bounds and layout, chains, bf16."""
+"""KV codecs: LZ4 keep-if-smaller, quantization groups, error bounds and layout, chains, bf16."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mlxcel_plugin.kv_codecs import (
+    ChunkLayout,
     CodecError,
     CorruptChunk,
     GroupQuantCodec,
@@ -17,7 +18,8 @@ from mlxcel_plugin.kv_codecs import (
     resolve_codec,
     to_float32,
 )
-from mlxcel_plugin.testing.caches import make_tensor
+from mlxcel_plugin.kv_serde import SerializableCacheState
+from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header, make_tensor
 
 CODECS = builtin_codecs()
 
@@ -77,57 +79,176 @@ def group_max(values: np.ndarray, group: int) -> np.ndarray:
     return np.repeat(np.abs(groups).max(axis=1), group).reshape(values.shape)
 
 
+def heads(rows: int = 64, kv_heads: int = 3, head_dim: int = 64, dtype: str = "float32", seed=0):
+    """A whole layer tensor as the writer chunks it: [kv_heads * rows, head_dim]."""
+    rng = np.random.default_rng(seed)
+    return make_tensor(rng, (1, kv_heads, rows, head_dim), dtype).reshape(-1, head_dim)
+
+
+def round_trip(codec, array, dtype, layout=None):
+    body, meta = codec.encode(array, dtype, layout)
+    return codec.decode(bytes(body), meta, array.shape, dtype), body, meta
+
+
+def token_group_half_steps(array, tokens, first_row, group, exact, levels):
+    """Reference for key groups: half of each (head, channel, token run)'s range / levels."""
+    half = np.zeros_like(array)
+    positions = (first_row + np.arange(len(array))) % tokens
+    row = 0
+    while row < len(array):
+        if positions[row] < exact:
+            row += 1
+            continue
+        run = group - (positions[row] - exact) % group
+        stop = min(row + run, len(array), row + tokens - positions[row])
+        block = array[row:stop]
+        half[row:stop] = (block.max(axis=0) - block.min(axis=0)) / levels / 2
+        row = stop
+    return half
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("first_row", [0, 5, 64, 150])
+def test_key_groups_run_along_tokens_within_one_head(bits, first_row):
+    codec = GroupQuantCodec(bits, token_group=16)
+    array = heads(rows=64)[first_row : first_row + 100]
+    layout = ChunkLayout("k", 64, first_row)
+    decoded, _, meta = round_trip(codec, array, "float32", layout)
+    assert meta == {"g": 16, "a": "t", "z": True, "t": 64, "r": first_row % 64, "x": 1}
+    half = token_group_half_steps(array, 64, first_row, 16, 1, codec.levels)
+    # Half a step of the channel's own run, plus float32 rounding of scale and product.
+    assert np.all(np.abs(decoded - array) <= half * (1 + 1e-5) + 1e-6 * np.abs(array))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quiet_head_keeps_its_own_precision_next_to_a_loud_one(bits):
+    codec = GroupQuantCodec(bits)
+    array = heads(rows=40, kv_heads=2)
+    array[40:] *= 1e4  # head 1 is 10**4 louder; a group spanning both would drown head 0
+    decoded, _, _ = round_trip(codec, array, "float32", ChunkLayout("k", 40, 0))
+    quiet = np.abs(array[:40]).max()
+    assert np.abs(decoded[:40] - array[:40]).max() <= quiet / codec.levels
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_first_token_of_every_head_travels_exact(tensor, dtype):
+    codec = GroupQuantCodec(4)
+    array = heads(rows=10, dtype=dtype)
+    decoded, _, meta = round_trip(codec, array, dtype, ChunkLayout(tensor, 10, 0))
+    assert meta["x"] == 1
+    assert decoded[0::10].tobytes() == array[0::10].tobytes()
+    assert decoded.tobytes() != array.tobytes()  # the rest is quantized
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_quantization_error_is_half_a_step_in_float32(bits, head_dim):
+def test_value_error_is_half_a_step_in_float32(bits, head_dim):
     codec = GroupQuantCodec(bits)
-    array = chunk("float32", head_dim=head_dim)
-    body, meta = codec.encode(array, "float32")
-    decoded = codec.decode(body, meta, array.shape, "float32")
-    step = group_max(array, 64) / codec.qmax
-    # Half a quantization step, plus float32 rounding of scale and product.
-    assert np.all(np.abs(decoded - array) <= 0.5 * step * (1 + 1e-5))
+    array = heads(rows=32, head_dim=head_dim)
+    decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("v", 32, 0))
+    assert meta["g"] == 64 and "a" not in meta
+    quantized = np.arange(len(array)) % 32 != 0
+    if codec.asymmetric_values:
+        groups = array[quantized].reshape(-1, 64)
+        step = np.ptp(groups, axis=1) / codec.levels
+        step = np.repeat(step, 64).reshape(-1, head_dim)
+    else:
+        step = group_max(array[quantized], 64) / codec.qmax
+    error = np.abs(decoded[quantized] - array[quantized])
+    assert np.all(error <= 0.5 * step * (1 + 1e-5) + 1e-6 * np.abs(array[quantized]))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_quantization_error_bound_in_half_precision(bits, dtype):
+@pytest.mark.parametrize("tensor", ["k", "v", None])
+def test_quantization_error_bound_in_half_precision(bits, dtype, tensor):
     codec = GroupQuantCodec(bits)
-    array = chunk(dtype)
-    body, meta = codec.encode(array, dtype)
-    decoded = to_float32(codec.decode(body, meta, array.shape, dtype), dtype)
-    original = to_float32(array, dtype)
-    bound = codec.profile.relative_error * group_max(original, 64)
-    assert np.all(np.abs(decoded - original) <= bound)
+    array = heads(rows=200, dtype=dtype)[100:500]
+    layout = ChunkLayout(tensor, 200, 100) if tensor else None
+    decoded, _, _ = round_trip(codec, array, dtype, layout)
+    got, want = to_float32(decoded, dtype), to_float32(array, dtype)
+    magnitude = np.abs(want)
+    bound = np.maximum(magnitude.max(axis=1, keepdims=True), magnitude.max(axis=0))
+    assert np.all(np.abs(got - want) <= codec.profile.relative_error * bound)
 
 
 def test_int8_mean_error_is_far_below_the_bound():
     codec = GroupQuantCodec(8)
-    array = chunk("float32", rows=256)
-    body, meta = codec.encode(array, "float32")
-    error = np.abs(codec.decode(body, meta, array.shape, "float32") - array)
-    assert error.mean() < 0.01 * np.abs(array).mean()
+    array = heads(rows=256)
+    for tensor in ("k", "v"):
+        decoded, _, _ = round_trip(codec, array, "float32", ChunkLayout(tensor, 256, 0))
+        assert np.abs(decoded - array).mean() < 0.01 * np.abs(array).mean()
 
 
-@pytest.mark.parametrize(("bits", "ratio"), [(8, 128 / 66), (4, 128 / 34)])
-def test_quantized_size_for_fp16_head_dim_128(bits, ratio):
+def test_keys_grouped_along_tokens_beat_rows_on_outlier_channels():
+    codec = GroupQuantCodec(8)
+    array = heads(rows=256)
+    array[:, 3] += 40.0  # an outlier channel sitting off zero, as RoPE'd keys have
+    as_key, _, _ = round_trip(codec, array, "float32", ChunkLayout("k", 256, 0))
+    as_row, _, _ = round_trip(codec, array, "float32")
+    plain = np.delete(np.arange(64), 3)
+    key_error = np.abs(as_key - array)[:, plain].mean()
+    assert key_error < 0.25 * np.abs(as_row - array)[:, plain].mean()
+
+
+def key_body_bytes(tokens: int, head_dim: int, width: int, bits: int, group: int) -> int:
+    """One whole head of keys: the exact first row, then minimum + scale per channel run."""
+    runs = -(-(tokens - 1) // group)
+    return head_dim * width + runs * head_dim * 2 * width + (tokens - 1) * head_dim * bits // 8
+
+
+def value_body_bytes(tokens: int, head_dim: int, width: int, bits: int, group: int) -> int:
+    groups = (tokens - 1) * head_dim // group
+    per_group = 2 * width if bits == 4 else width  # int4 values also carry a minimum
+    return head_dim * width + groups * per_group + (tokens - 1) * head_dim * bits // 8
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tokens", [1, 29, 257, 1000])
+def test_quantized_sizes_for_one_fp16_head(bits, tokens):
     codec = GroupQuantCodec(bits)
-    array = chunk("float16", rows=64, head_dim=128)
-    body, meta = codec.encode(array, "float16")
-    assert meta == {"g": 64, "s": "f2"}  # float16 scales for float16 data
-    assert array.nbytes / len(body) == pytest.approx(ratio)
-    assert codec.profile.ratio == pytest.approx(ratio)
+    array = heads(rows=tokens, kv_heads=1, dtype="float16")
+    key, key_meta = codec.encode(array, "float16", ChunkLayout("k", tokens, 0))
+    value, value_meta = codec.encode(array, "float16", ChunkLayout("v", tokens, 0))
+    assert key_meta["s"] == value_meta["s"] == "f2"
+    assert len(key) == key_body_bytes(tokens, 64, 2, bits, 128)
+    assert len(value) == value_body_bytes(tokens, 64, 2, bits, 64)
 
 
-def test_int4_layout_is_scales_then_low_nibble_first():
-    codec = GroupQuantCodec(4, group_size=4)
-    # max|x| = 7, so the scale is 1 and codes equal values.
-    array = np.array([[-7.0, 7.0, 0.0, 1.0]], dtype="<f4")
+@pytest.mark.parametrize(("bits", "target"), [(8, 1.9), (4, 3.5)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_layers_shrink_to_target(bits, target, dtype):
+    codec = GroupQuantCodec(bits)
+    tokens = 1024
+    array = heads(rows=tokens, dtype=dtype)
+    sizes = [len(codec.encode(array, dtype, ChunkLayout(t, tokens, 0))[0]) for t in "kv"]
+    ratio = 2 * array.nbytes / sum(sizes)
+    assert ratio >= target
+    assert ratio == pytest.approx(codec.profile.ratio, rel=0.01)
+
+
+def test_int8_without_layout_keeps_the_original_format():
+    codec = GroupQuantCodec(8, group_size=4)
+    # max|x| = 127, so the scale is 1 and codes equal values.
+    array = np.array([[-127.0, 127.0, 0.0, 1.0]], dtype="<f4")
     body, meta = codec.encode(array, "float32")
     assert meta == {"g": 4}
-    scale = np.float32(1.0).tobytes()
-    # code + 8: 1, 15, 8, 9 -> bytes 0xF1, 0x98
-    assert bytes(body) == scale + bytes([0xF1, 0x98])
+    assert bytes(body) == np.float32(1.0).tobytes() + bytes([0x81, 0x7F, 0x00, 0x01])
+    assert np.array_equal(codec.decode(body, meta, array.shape, "float32"), array)
+
+
+def test_int4_key_layout_is_exact_rows_minimums_scales_then_low_nibble_first():
+    codec = GroupQuantCodec(4, token_group=2)
+    # One head of 3 tokens, 2 channels; token 0 is exact, tokens 1-2 form one run per channel.
+    array = np.array([[9.0, -9.0], [1.0, 0.0], [16.0, 15.0]], dtype="<f4")
+    body, meta = codec.encode(array, "float32", ChunkLayout("k", 3, 0))
+    assert meta == {"g": 2, "a": "t", "z": True, "t": 3, "r": 0, "x": 1}
+    exact = array[0].tobytes()
+    minimums = np.array([1.0, 0.0], dtype="<f4").tobytes()
+    scales = np.array([1.0, 1.0], dtype="<f4").tobytes()  # ranges 15 and 15 over 15 levels
+    # codes: token 1 -> (0, 0), token 2 -> (15, 15); low nibble first
+    assert bytes(body) == exact + minimums + scales + bytes([0x00, 0xFF])
     assert np.array_equal(codec.decode(body, meta, array.shape, "float32"), array)
 
 
@@ -135,33 +256,88 @@ def test_int4_handles_an_odd_element_count():
     codec = GroupQuantCodec(4, group_size=64)
     array = chunk("float32", rows=3, head_dim=5)
     body, meta = codec.encode(array, "float32")
-    assert meta == {"g": 5}  # 5 is not a multiple of 64: groups are whole rows
-    assert len(body) == 3 * 4 + 8
+    assert meta == {"g": 5, "z": True}  # 5 is not a multiple of 64: groups are whole rows
+    assert len(body) == 3 * (4 + 4) + 8
     decoded = codec.decode(body, meta, array.shape, "float32")
-    assert np.all(np.abs(decoded - array) <= group_max(array, 5) / 14 * (1 + 1e-5))
+    step = np.ptp(array, axis=1, keepdims=True) / codec.levels
+    assert np.all(np.abs(decoded - array) <= 0.5 * step * (1 + 1e-5))
 
 
-def test_quantization_of_zeros_is_exact():
+@pytest.mark.parametrize("tensor", ["k", "v", None])
+def test_quantization_of_zeros_is_exact(tensor):
     codec = GroupQuantCodec(8)
     zeros = np.zeros((4, 64), dtype="<f2")
-    body, meta = codec.encode(zeros, "float16")
-    assert np.array_equal(codec.decode(body, meta, zeros.shape, "float16"), zeros)
+    layout = ChunkLayout(tensor, 4, 0) if tensor else None
+    decoded, _, _ = round_trip(codec, zeros, "float16", layout)
+    assert np.array_equal(decoded, zeros)
 
 
-def test_quantization_refuses_non_finite_values():
+@pytest.mark.parametrize("tensor", ["k", "v", None])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_quantization_refuses_non_finite_values(tensor, bad):
     array = chunk("float32")
-    array[3, 5] = np.inf
+    array[3, 5] = bad
+    layout = ChunkLayout(tensor, 64, 0) if tensor else None
     with pytest.raises(CodecError):
-        GroupQuantCodec(8).encode(array, "float32")
+        GroupQuantCodec(8).encode(array, "float32", layout)
 
 
 def test_quantization_refuses_hostile_scales():
     codec = GroupQuantCodec(8)
     array = chunk("float16", rows=1, head_dim=64)
     body, meta = codec.encode(array, "float16")
-    huge = np.float32(1e30).tobytes() + bytes(body)[4:]
+    huge = np.float16(60000.0).tobytes() + bytes(body)[2:]
     with pytest.raises(CorruptChunk):
         codec.decode(huge, meta, array.shape, "float16")
+
+
+def test_key_decode_refuses_a_non_finite_minimum():
+    codec = GroupQuantCodec(8)
+    array = chunk("float16", rows=8, head_dim=64)
+    body, meta = codec.encode(array, "float16", ChunkLayout("k", 8, 0))
+    exact_bytes = 64 * 2
+    poisoned = bytearray(body)
+    poisoned[exact_bytes : exact_bytes + 2] = np.float16(np.nan).tobytes()
+    with pytest.raises(CorruptChunk):
+        codec.decode(bytes(poisoned), meta, array.shape, "float16")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"r": 8},  # first token beyond the head
+        {"t": 0},
+        {"x": 9},
+        {"a": "d"},
+        {"z": "yes"},
+        {"t": None},  # token groups without a span
+        {"g": 0},
+    ],
+    ids=str,
+)
+def test_key_decode_refuses_a_bad_layout_in_meta(change):
+    codec = GroupQuantCodec(8)
+    array = chunk("float16", rows=8, head_dim=64)
+    body, meta = codec.encode(array, "float16", ChunkLayout("k", 8, 0))
+    meta = {**meta, **change}
+    meta = {key: value for key, value in meta.items() if value is not None}
+    with pytest.raises(CorruptChunk):
+        codec.decode(body, meta, array.shape, "float16")
+
+
+def test_value_decode_refuses_a_group_that_does_not_divide_head_dim():
+    codec = GroupQuantCodec(8)
+    array = chunk("float16", rows=8, head_dim=64)
+    body, meta = codec.encode(array, "float16", ChunkLayout("v", 8, 0))
+    with pytest.raises(CorruptChunk):
+        codec.decode(body, {**meta, "g": 48}, array.shape, "float16")
+
+
+def test_decoded_values_never_overflow_float16():
+    codec = GroupQuantCodec(4)
+    array = np.array([[65504.0] * 64, [-65504.0] * 64, [65504.0] * 64], dtype="<f2")
+    decoded, _, _ = round_trip(codec, array, "float16", ChunkLayout("k", 3, 0))
+    assert np.all(np.isfinite(decoded.astype("<f4")))
 
 
 def test_bfloat16_round_trips_every_finite_pattern():
@@ -202,12 +378,27 @@ def test_chain_refuses_a_huge_declared_intermediate():
         chain.decode(body, {**meta, "n": [1 << 40]}, array.shape, "float16")
 
 
-@pytest.mark.parametrize(("dtype", "kind"), [("float16", "f2"), ("bfloat16", "bf16")])
-def test_int8_on_half_precision_is_at_least_1_9x_smaller(dtype, kind):
-    codec = GroupQuantCodec(8)
-    array = chunk(dtype, rows=256, head_dim=64)
-    body, meta = codec.encode(array, dtype)
-    assert meta["s"] == kind and array.nbytes / len(body) >= 1.9
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_chains_hand_the_layout_to_their_first_stage(tensor):
+    chain = resolve_codec("int8+lz4", CODECS)
+    array = heads(rows=16, dtype="float16")
+    layout = ChunkLayout(tensor, 16, 0)
+    body, meta = chain.encode(array, "float16", layout)
+    assert meta["s"][0] == CODECS["int8"].encode(array, "float16", layout)[1]
+    decoded = chain.decode(body, meta, array.shape, "float16")
+    assert decoded.tobytes() == round_trip(CODECS["int8"], array, "float16", layout)[0].tobytes()
+
+
+def test_the_writer_tells_the_codec_which_tensor_and_token_it_encodes():
+    fingerprint = make_fingerprint(num_layers=1, kv_heads=2, head_dim=64, dtype="float16")
+    cache = make_cache(fingerprint, 300)
+    header = make_header(fingerprint, 300, codec="int8")
+    messages = SerializableCacheState(header, cache).to_messages(CODECS["int8"], 16 * 1024)
+    chunks = [m.header for m in messages if m.kind == "chunk"]
+    for chunk_header in chunks:
+        meta = chunk_header["codec_meta"]
+        assert meta["t"] == 300 and meta["r"] == chunk_header["row"] % 300
+        assert (meta.get("a") == "t") == (chunk_header["tensor"] == "k")
 
 
 @pytest.mark.parametrize("scale", [1e-7, 65504.0], ids=["tiny", "top-of-range"])
@@ -222,13 +413,16 @@ def test_float16_groups_whose_scale_does_not_fit_keep_float32_scales(scale):
     assert np.allclose(decoded.astype("<f4"), array.astype("<f4"), rtol=0.01)
 
 
-def test_half_scales_are_rounded_up_so_the_group_max_never_clips():
+@pytest.mark.parametrize("tensor", ["k", "v", None])
+def test_half_scales_are_rounded_up_so_the_group_max_never_clips(tensor):
     codec = GroupQuantCodec(8)
-    # 1000 / 127 is not a float16; rounding it down would clip 1000 to 127 steps below it.
-    array = np.linspace(-1000, 1000, 64, dtype="<f2").reshape(1, 64)
-    body, meta = codec.encode(array, "float16")
-    decoded = codec.decode(body, meta, array.shape, "float16").astype("<f4")
-    assert np.abs(decoded - array.astype("<f4")).max() <= codec.profile.relative_error * 1000
+    # 2000 / 255 and 1000 / 127 are not float16s; rounding them down would clip the extremes.
+    array = np.linspace(-1000, 1000, 64 * 8, dtype="<f2").reshape(8, 64)
+    layout = ChunkLayout(tensor, 8, 0) if tensor else None
+    decoded, _, meta = round_trip(codec, array, "float16", layout)
+    assert meta["s"] == "f2"
+    error = np.abs(decoded.astype("<f4") - array.astype("<f4")).max()
+    assert error <= codec.profile.relative_error * 1000
 
 
 def test_refuses_a_scale_kind_that_does_not_match_the_dtype():

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from mlxcel_plugin.kv_codecs.base import (
     Buffer,
+    ChunkLayout,
     CodecProfile,
     CorruptChunk,
     expected_nbytes,
@@ -36,7 +37,9 @@ class ZlibCodec:
     # Measured on synthetic fp16/bf16/fp32 KV (mlxcel_plugin.testing.caches), 2 x86 cores.
     profile = CodecProfile(ratio=1.06, encode_bytes_per_s=50e6, decode_bytes_per_s=250e6)
 
-    def encode(self, array: np.ndarray, dtype: str) -> tuple[Buffer, dict[str, Any]]:
+    def encode(
+        self, array: np.ndarray, dtype: str, layout: ChunkLayout | None = None
+    ) -> tuple[Buffer, dict[str, Any]]:
         raw = raw_view(array)
         packed = zlib.compress(raw, LEVEL)
         if len(packed) < len(raw):

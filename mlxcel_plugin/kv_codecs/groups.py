@@ -1,0 +1,75 @@
+"""How a quantized chunk splits: rows sent exact, and groups sharing a scale.
+
+A chunk is rows of a layer tensor seen as ``[kv_heads * tokens, head_dim]``
+(head-major). The first ``exact`` tokens of every head travel unquantized:
+token 0 is the attention sink, off-distribution and attended by every query,
+so its error reaches every output. The other rows form groups either along
+head_dim within a row (``DimGroups``: values) or along tokens within one
+channel of one head (``TokenGroups``: keys, whose outlier channels would set
+the step of every value in a row). Token groups are aligned to the head's
+token index, so a group never straddles two heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """Which tokens a chunk holds: ``tokens`` per head, row 0 is token ``first``."""
+
+    tokens: int
+    first: int
+    exact: int  # leading tokens of each head sent unquantized
+
+    def positions(self, rows: int) -> np.ndarray:
+        """The token index (within its head) of each row."""
+        return (self.first + np.arange(rows, dtype=np.int64)) % self.tokens
+
+    def exact_rows(self, rows: int) -> np.ndarray:
+        return self.positions(rows) < self.exact
+
+
+class DimGroups:
+    """Groups of ``size`` consecutive values of a row; one scale per group."""
+
+    def __init__(self, size: int, rows: int, head_dim: int):
+        self.size = size
+        self.count = rows * head_dim // size
+
+    def view(self, values: np.ndarray) -> np.ndarray:
+        return values.reshape(-1, self.size)
+
+    def reduce(self, values: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
+        return ufunc.reduce(self.view(values), axis=1)
+
+    def expand(self, per_group: np.ndarray) -> np.ndarray:
+        return per_group.reshape(-1, 1)
+
+
+class TokenGroups:
+    """One group per channel per run of at most ``size`` tokens of one head."""
+
+    def __init__(self, size: int, positions: np.ndarray, head_dim: int, exact: int):
+        # A run starts at every size-th token past the exact ones, and at the chunk's start.
+        starts = (positions - exact) % size == 0
+        if positions.size:
+            starts[0] = True
+        self.starts = np.flatnonzero(starts)
+        self.lengths = np.diff(np.append(self.starts, positions.size))
+        self.count = self.starts.size * head_dim
+        self.head_dim = head_dim
+
+    def view(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+    def reduce(self, values: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
+        if not self.starts.size:
+            return np.empty((0, self.head_dim), dtype=values.dtype)
+        return ufunc.reduceat(values, self.starts, axis=0)
+
+    def expand(self, per_group: np.ndarray) -> np.ndarray:
+        return np.repeat(per_group.reshape(-1, self.head_dim), self.lengths, axis=0)
