@@ -6,6 +6,7 @@ Only ``KVCache`` and ``RotatingKVCache`` can travel; any other cache class
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
@@ -66,10 +67,23 @@ def to_cache_layer(cache: Any) -> CacheLayer:
     )
 
 
-def _to_mlx(x: np.ndarray, dtype: str) -> mx.array:
+def adopt_layer(layer: CacheLayer) -> CacheLayer:
+    """The layer with its K/V copied into MLX arrays (storage dtype: bf16 stays uint16).
+
+    Safe off the engine thread: ``mx.array`` of a numpy buffer copies at
+    construction and schedules no MLX work; the bf16 view waits for
+    ``from_cache_layer`` on the engine thread.
+    """
+    if layer.dtype not in _MX_DTYPES:
+        raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
+    keys, values = mx.array(layer.keys), mx.array(layer.values)
+    return dataclasses.replace(layer, keys=keys, values=values)
+
+
+def _to_mlx(x: np.ndarray | mx.array, dtype: str) -> mx.array:
     if dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {dtype!r}")
-    arr = mx.array(x)
+    arr = x if isinstance(x, mx.array) else mx.array(x)  # adopted layers are MLX already
     target = _MX_DTYPES[dtype]
     return arr.view(target) if target in _VIEW_AS else arr.astype(target)
 

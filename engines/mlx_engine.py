@@ -161,6 +161,10 @@ class MlxEngine:
     ) -> None:
         self._submit(_Decode(request, first_token, cache, emit))
 
+    def adopt_layer(self, layer: CacheLayer) -> CacheLayer:
+        """A received layer copied into MLX on the caller's thread (engine_api.Engine)."""
+        return kv_convert.adopt_layer(layer)
+
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
 

@@ -2,10 +2,13 @@
 
 One handoff = the sender's transfer strategy (KVWriter: slicing + crc32) →
 link frames (AES-256-GCM, bulk channel) → the receiver's KVAssembler (decode
-into per-layer buffers + crc32 check) → ``mx.array`` per layer, evaluated.
-The clock runs from the strategy's ``start`` to the receiver's KV_ACK, sent
-once the MLX arrays exist. Each repeat alternates every path so all see the
-same machine load; ratios are taken per repeat against that repeat's raw TCP.
+into per-layer buffers + crc32 check) → ``mx.array`` per layer, as the decode
+node does it: the MLX engine's ``adopt_layer`` as each layer completes, then
+everything evaluated. The clock runs from the strategy's ``start`` to the
+receiver's KV_ACK, sent once the MLX arrays of every layer exist. Each repeat
+alternates every path so all see the same machine load; ratios are taken per
+repeat against that repeat's raw TCP. Both processes also report their CPU
+seconds per handoff: on 2 cores the sum, not any one phase, bounds wall time.
 
 Paths (sender = this process, receiver = one spawned process for all of them):
 
@@ -16,8 +19,8 @@ Paths (sender = this process, receiver = one spawned process for all of them):
 
 The cache is synthetic, shaped like SmolLM2-135M's (30 layers x 3 KV heads x
 64 head dim), Gaussian noise, T chosen so K+V reach the size. Receiver-side
-phase times (assembler feed, final feed = checksum verify, mx.array) come back
-in the ack; they locate the KV path's own costs.
+phase times (assembler feed incl. per-layer adoption, final feed, the last
+mx.eval) come back in the ack; they locate the KV path's own costs.
 
 Usage: python loadtests/bench_kv_handoff.py [--quick] [--json PATH] [--sizes 64,256]
        [--dtypes float32,float16] [--repeats 3] [--lanes 2,4]
@@ -39,7 +42,8 @@ from typing import Any
 
 from bench_common import add_common_args, bench_result, table, write_json
 
-from mlxcel_plugin.engine_api import CacheState
+from engines import kv_convert
+from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.frames import Frame, FrameType, kv_frame
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
@@ -83,9 +87,24 @@ END_FIRST_TOKEN = "first_token"
 
 
 @dataclass
+class AdoptTimer:
+    """The MLX engine's ``adopt_layer``, timed (the copy into MLX, per layer as it completes)."""
+
+    seconds: float = 0.0
+
+    def adopt(self, layer: CacheLayer) -> CacheLayer:
+        start = time.perf_counter()
+        adopted = kv_convert.adopt_layer(layer)
+        self.seconds += time.perf_counter() - start
+        return adopted
+
+
+@dataclass
 class _Ingest:
     assembler: KVAssembler
     started_s: float
+    started_cpu_s: float
+    adopter: AdoptTimer
     feed_s: float = 0.0
     first_token: int | None = None  # from KV_END, when the sender put it there
 
@@ -97,7 +116,8 @@ class KVSink:
     The local fingerprint is taken from the first begin (this receiver serves
     whichever model the sender has; a decode node would check its own). Like
     the decode node's HandoffReceiver, buffers come from one pool and raw chunk
-    bodies are decrypted in place (``body_destination`` is the links' body sink).
+    bodies are decrypted in place (``body_destination`` is the links' body sink),
+    and each whole layer is adopted into MLX while the next ones arrive.
     """
 
     codecs: Mapping[str, Any] = field(default_factory=builtin_codecs)
@@ -120,8 +140,9 @@ class KVSink:
         ingest = self.ingests.get(handoff_id)
         if ingest is None:
             fingerprint = HandoffHeader.from_message(message).fingerprint
-            assembler = KVAssembler(fingerprint, self.codecs, pool=self.pool)
-            ingest = _Ingest(assembler, time.perf_counter())
+            timer = AdoptTimer()
+            assembler = KVAssembler(fingerprint, self.codecs, pool=self.pool, adopt=timer.adopt)
+            ingest = _Ingest(assembler, time.perf_counter(), time.process_time(), timer)
             self.ingests[handoff_id] = ingest
         start = time.perf_counter()
         state = ingest.assembler.feed(message)
@@ -135,20 +156,33 @@ class KVSink:
         first = state.header.first_token if ingest.first_token is None else ingest.first_token
         phases = {
             "feed_s": ingest.feed_s,
+            "adopt_s": ingest.adopter.seconds,
             "complete_s": elapsed,
             "receive_s": time.perf_counter() - ingest.started_s,
+            "started_cpu_s": ingest.started_cpu_s,
             "first_token": first,
         }
         return handoff_id, state, phases
 
 
 def to_mlx(cache: CacheState) -> list[tuple[Any, Any]]:
-    """The decode node's deserialization: one ``mx.array`` per tensor, evaluated."""
+    """The end of the decode node's deserialization: every tensor an evaluated ``mx.array``.
+
+    Layers were adopted (copied into MLX) as they completed; converting any
+    that were not keeps the measured span honest either way.
+    """
     import mlx.core as mx
 
-    arrays = [(mx.array(layer.keys), mx.array(layer.values)) for layer in cache.layers]
+    layers = [layer if _is_mlx(layer) else kv_convert.adopt_layer(layer) for layer in cache.layers]
+    arrays = [(layer.keys, layer.values) for layer in layers]
     mx.eval(arrays)
     return arrays
+
+
+def _is_mlx(layer: Any) -> bool:
+    import mlx.core as mx
+
+    return isinstance(layer.keys, mx.array) and isinstance(layer.values, mx.array)
 
 
 async def _serve_kv_link(link: Link, sink: KVSink) -> None:
@@ -171,6 +205,7 @@ async def _serve_kv_link(link: Link, sink: KVSink) -> None:
         start = time.perf_counter()
         to_mlx(state.cache)
         phases["mlx_s"] = time.perf_counter() - start
+        phases["cpu_s"] = time.process_time() - phases.pop("started_cpu_s")
         del state, done  # the numpy buffers go back to the pool, as after engine.decode
         await link.send(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
 
@@ -341,6 +376,7 @@ async def link_bytes_once(peer: Peer, views: Sequence[memoryview]) -> float:
 class HandoffTiming:
     total_s: float
     plan_s: float  # sender CPU in the strategy (slicing, crc32, codec)
+    cpu_s: float  # sender process CPU seconds (all threads) over the handoff
     receiver: dict[str, Any]
 
 
@@ -389,7 +425,7 @@ async def handoff_once(
     peer: Peer, name: str, lanes: int, header: HandoffHeader, cache: CacheState, codec: str = "none"
 ) -> HandoffTiming:
     links = await peer.ensure_links(lanes)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     sender = HandoffSender(new_strategy(name, codec, lanes), links)
     await sender.start(header)
     for index, layer in enumerate(cache.layers):
@@ -398,7 +434,8 @@ async def handoff_once(
     ack = await peer.next_ack()
     if ack.get("handoff_id") != header.handoff_id:
         raise RuntimeError(f"ack for {ack.get('handoff_id')}, expected {header.handoff_id}")
-    return HandoffTiming(time.perf_counter() - start, sender.plan_s, ack)
+    elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    return HandoffTiming(elapsed, sender.plan_s, cpu_s, ack)
 
 
 # ---------------------------------------------------------------- measurement
@@ -462,10 +499,23 @@ async def measure_case(
             timing = await handoff_once(peer, path.strategy, path.lanes, header, cache)
             phases = {
                 "plan_s": timing.plan_s,
+                "sender_cpu_s": timing.cpu_s,
                 **{k: float(v) for k, v in timing.receiver.items() if k.endswith("_s")},
             }
             samples.add(path.label, timing.total_s, raw_s, phases)
     return cache.nbytes, samples
+
+
+PHASE_KEYS = (
+    "plan_s",
+    "feed_s",
+    "adopt_s",
+    "complete_s",
+    "mlx_s",
+    "receive_s",
+    "sender_cpu_s",
+    "cpu_s",
+)
 
 
 def median_phase(phases: list[dict[str, float]], key: str) -> float:
@@ -488,10 +538,7 @@ def result_rows(
         if phases and phases[0]:
             phase_rows.append(
                 [dtype, size_mib, label]
-                + [
-                    round(1000 * median_phase(phases, key), 1)
-                    for key in ("plan_s", "feed_s", "complete_s", "mlx_s", "receive_s")
-                ]
+                + [round(1000 * median_phase(phases, key), 1) for key in PHASE_KEYS]
                 + [round(1000 * statistics.median(seconds), 1)]
             )
     return rows, phase_rows
@@ -553,8 +600,22 @@ def main() -> None:
         ),
         table(
             "Phase times, ms (median): sender strategy CPU; receiver assembler feed "
-            "(all frames), last feed (crc32 verify), mx.array; receiver first-to-last frame",
-            ["dtype", "MiB", "path", "plan", "feed", "verify", "mx.array", "receive", "total"],
+            "(all frames), of which per-layer mx.array, last feed, final mx.eval; receiver "
+            "first-to-last frame; CPU of the sender and receiver processes",
+            [
+                "dtype",
+                "MiB",
+                "path",
+                "plan",
+                "feed",
+                "of which mx.array",
+                "last feed",
+                "mx.eval",
+                "receive",
+                "send CPU",
+                "recv CPU",
+                "total",
+            ],
             out["phase_rows"],
         ),
     ]

@@ -91,12 +91,14 @@ class CacheLayer:
     """One layer's K/V for one sequence, sliced to ``offset`` tokens.
 
     ``keys``/``values`` are ``[1, kv_heads, T, head_dim]`` numpy arrays; bfloat16
-    travels as a ``uint16`` view with ``dtype == "bfloat16"``.
+    travels as a ``uint16`` view with ``dtype == "bfloat16"``. A layer that an
+    engine's ``adopt_layer`` returned holds that engine's own arrays instead
+    (same shape and storage dtype), which only that engine reads.
     """
 
     kind: str  # mlx-lm cache class name: "KVCache" or "RotatingKVCache"
-    keys: np.ndarray
-    values: np.ndarray
+    keys: np.ndarray | Any
+    values: np.ndarray | Any
     dtype: str
     offset: int
     meta: dict[str, Any] = field(default_factory=dict)  # e.g. RotatingKVCache max_size/keep/idx
@@ -147,10 +149,27 @@ class EngineConfig:
 EmitToken = Callable[[TokenEvent], None]
 LayerReady = Callable[[int, CacheLayer], None]
 PrefillDone = Callable[[PrefillResult | Exception], None]
+# A received (numpy) layer in, the same layer in the engine's own arrays out; see
+# ``Engine.adopt_layer``.
+LayerAdopter = Callable[[CacheLayer], CacheLayer]
+
+
+def layer_adopter(engine: object) -> LayerAdopter | None:
+    """The engine's ``adopt_layer``, or None for an engine that decodes from numpy as is."""
+    return getattr(engine, "adopt_layer", None)
 
 
 class Engine(Protocol):
-    """What every engine plugin provides (``mlxcel_register_engines``)."""
+    """What every engine plugin provides (``mlxcel_register_engines``).
+
+    Optional, found by ``layer_adopter``: ``adopt_layer(layer: CacheLayer) ->
+    CacheLayer`` copies one received layer into the engine's own arrays. The
+    decode node calls it on its event loop as each layer of a handoff completes,
+    while later layers are still arriving, so the engine thread never pays the
+    copy and the receive buffers are reused after one layer. It must touch no
+    engine state; raising fails that handoff only. Without it, ``decode`` gets
+    numpy layers.
+    """
 
     info: ModelInfo
 
@@ -171,7 +190,10 @@ class Engine(Protocol):
     def decode(
         self, request: GenerationRequest, first_token: int, cache: CacheState, emit: EmitToken
     ) -> None:
-        """Join the running batch with a cache prefilled elsewhere; emits tokens from index 1."""
+        """Join the running batch with a cache prefilled elsewhere; emits tokens from index 1.
+
+        ``cache`` layers hold numpy arrays, or what this engine's ``adopt_layer`` returned.
+        """
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and free its memory; emits a FINISH_CANCELLED event if it was live."""

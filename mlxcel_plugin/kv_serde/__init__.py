@@ -8,6 +8,7 @@ and on which lane each message goes.
 from mlxcel_plugin.kv_codecs import CodecError, CorruptChunk, UnknownCodec
 from mlxcel_plugin.kv_serde.assembler import AssemblerLimits, KVAssembler, assemble_messages
 from mlxcel_plugin.kv_serde.errors import (
+    AdoptFailed,
     ChecksumMismatch,
     FingerprintMismatch,
     LayerCountMismatch,
@@ -52,6 +53,7 @@ __all__ = [
     "SERDE_VERSION",
     "SUPPORTED_CACHE_KINDS",
     "AckHeader",
+    "AdoptFailed",
     "AssemblerLimits",
     "BufferPool",
     "ChecksumMismatch",

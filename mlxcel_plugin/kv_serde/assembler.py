@@ -8,19 +8,19 @@ checked against the begin header.
 The I/O layer may ask ``chunk_destination`` where a raw (identity-codec)
 chunk's bytes belong before the body arrives, and write the body there — the
 link decrypts straight into the layer buffer. Each tensor's crc32 is taken as
-soon as its last row lands, so the check overlaps the rest of the transfer.
+soon as its last row lands, and each whole layer goes to the engine's adopter
+(its own arrays, e.g. MLX) at once, so both overlap the rest of the transfer.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mlxcel_plugin.engine_api import CacheLayer, CacheState
+from mlxcel_plugin.engine_api import CacheState, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import (
     CorruptChunk,
@@ -48,6 +48,7 @@ from mlxcel_plugin.kv_serde.messages import (
     LayerDescriptor,
 )
 from mlxcel_plugin.kv_serde.pool import BufferPool
+from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
 
@@ -61,21 +62,6 @@ class AssemblerLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # encoded body, within one record
     # Decoded bytes of one chunk: bounds a codec's output (int4 expands ≈3.5×).
     max_chunk_raw_bytes: int = 32 << 20
-
-
-@dataclass
-class _Layer:
-    descriptor: LayerDescriptor
-    tensors: dict[str, np.ndarray]  # "k"/"v" -> [1, kv_heads, tokens, head_dim]
-    claimed: dict[str, np.ndarray]  # "k"/"v" -> bool per row: filled, or reserved for a body
-    rows_left: dict[str, int]  # "k"/"v" -> rows not yet filled
-    # (tensor, row) -> rows of a chunk whose body is being written in place.
-    reserved: dict[tuple[str, int], int] = field(default_factory=dict)
-    crcs: dict[str, int] = field(default_factory=dict)  # of each tensor once it is complete
-
-    @property
-    def complete(self) -> bool:
-        return not any(self.rows_left.values())
 
 
 class KVAssembler:
@@ -96,6 +82,7 @@ class KVAssembler:
         min_epoch: int = 0,
         expected_request_id: str | None = None,
         pool: BufferPool | None = None,
+        adopt: LayerAdopter | None = None,
     ):
         self.local = local
         self.codecs = codecs
@@ -103,12 +90,13 @@ class KVAssembler:
         self.min_epoch = min_epoch
         self.expected_request_id = expected_request_id
         self.pool = pool
+        self.adopt = adopt
         self.header: HandoffHeader | None = None
         self.allocated_bytes = 0
         self.received_chunks = 0
         self.received_bytes = 0
         self._codec: KVCodec | None = None
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, ReceivedLayer] = {}
         self._end: EndHeader | None = None
         self._state = "waiting"
 
@@ -250,11 +238,10 @@ class KVAssembler:
         self.received_bytes += len(body)
         if self._end is not None and self.received_chunks > self._end.chunks:
             raise UnexpectedMessage(f"more chunks than the {self._end.chunks} declared")
-        layer.rows_left[chunk.tensor] -= chunk.rows
-        if not layer.rows_left[chunk.tensor]:
+        if layer.tensor_filled(chunk.tensor, chunk.rows):
             self._tensor_complete(chunk.layer, layer, chunk.tensor)
 
-    def _checked_chunk(self, chunk: ChunkHeader, body_bytes: int) -> _Layer:
+    def _checked_chunk(self, chunk: ChunkHeader, body_bytes: int) -> ReceivedLayer:
         """The chunk's layer (allocated on its first chunk) once the header's bounds hold."""
         self._check_attempt(chunk.handoff_id, chunk.epoch)
         layer = self._layer_for(chunk)
@@ -263,28 +250,28 @@ class KVAssembler:
             raise OversizeDeclared(f"chunk of {raw_bytes} decoded bytes is too large")
         if max(chunk.nbytes, body_bytes) > self.limits.max_body_bytes:
             raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds the record bound")
-        rows = layer.claimed[chunk.tensor].size
+        rows = layer.rows
         if chunk.row + chunk.rows > rows:
             raise MalformedHandoff(f"chunk rows {chunk.row}+{chunk.rows} beyond {rows}")
         return layer
 
-    def _claim(self, chunk: ChunkHeader, layer: _Layer) -> None:
+    def _claim(self, chunk: ChunkHeader, layer: ReceivedLayer) -> None:
         claimed = layer.claimed[chunk.tensor][chunk.row : chunk.row + chunk.rows]
         if claimed.any():
             raise UnexpectedMessage(f"layer {chunk.layer} {chunk.tensor} rows overlap a chunk")
         claimed[:] = True
 
-    def _rows_view(self, chunk: ChunkHeader, layer: _Layer) -> memoryview:
-        rows = layer.tensors[chunk.tensor].reshape(-1, self.local.head_dim)
-        return memoryview(rows[chunk.row : chunk.row + chunk.rows]).cast("B")
+    def _rows_view(self, chunk: ChunkHeader, layer: ReceivedLayer) -> memoryview:
+        return layer.rows_view(chunk.tensor, chunk.row, chunk.rows)
 
-    def _tensor_complete(self, index: int, layer: _Layer, tensor: str) -> None:
-        """Checksum a tensor as soon as it is whole (the rest may still be on the wire)."""
-        layer.crcs[tensor] = zlib.crc32(memoryview(layer.tensors[tensor]).cast("B"))
+    def _tensor_complete(self, index: int, layer: ReceivedLayer, tensor: str) -> None:
+        """Check a whole tensor against end (when known); adopt the layer once both are whole."""
         if self._end is not None:
             self._check_crc(index, layer, tensor)
+        if layer.complete and self.adopt is not None:
+            layer.adopt(self.adopt)
 
-    def _check_crc(self, index: int, layer: _Layer, tensor: str) -> None:
+    def _check_crc(self, index: int, layer: ReceivedLayer, tensor: str) -> None:
         end = self._end
         if end is None:  # only reachable through a bug: checked once end has arrived
             raise UnexpectedMessage("no end yet")
@@ -305,7 +292,7 @@ class KVAssembler:
                 f"receiving {header.handoff_id!r} epoch {header.epoch}"
             )
 
-    def _layer_for(self, chunk: ChunkHeader) -> _Layer:
+    def _layer_for(self, chunk: ChunkHeader) -> ReceivedLayer:
         fp = self.local
         if chunk.layer >= fp.num_layers:
             raise LayerCountMismatch(f"chunk for layer {chunk.layer} of {fp.num_layers}")
@@ -323,15 +310,17 @@ class KVAssembler:
             )
         return self._allocate(chunk.layer, descriptor)
 
-    def _allocate(self, index: int, descriptor: LayerDescriptor) -> _Layer:
+    def _allocate(self, index: int, descriptor: LayerDescriptor) -> ReceivedLayer:
         fp = self.local
         size = 2 * fp.tensor_bytes(descriptor.tokens)
         if self.allocated_bytes + size > self.limits.max_bytes:
             raise OversizeDeclared(f"layer {index} would exceed the byte budget")
         shape = (1, fp.kv_heads, descriptor.tokens, fp.head_dim)
         rows = fp.kv_heads * descriptor.tokens
-        layer = _Layer(
+        layer = ReceivedLayer(
             descriptor=descriptor,
+            kind=fp.cache_classes[index],
+            dtype=fp.dtype,
             tensors={t: self._empty(shape, storage_dtype(fp.dtype)) for t in TENSORS},
             claimed={t: np.zeros(rows, dtype=bool) for t in TENSORS},
             rows_left={t: rows for t in TENSORS},
@@ -395,19 +384,7 @@ class KVAssembler:
         return SerializableCacheState(self._begun(), self._cache_state())
 
     def _cache_state(self) -> CacheState:
-        fp = self.local
-        layers = [
-            CacheLayer(
-                kind=fp.cache_classes[index],
-                keys=layer.tensors["k"],
-                values=layer.tensors["v"],
-                dtype=fp.dtype,
-                offset=layer.descriptor.offset,
-                meta=dict(layer.descriptor.meta),
-            )
-            for index, layer in sorted(self._layers.items())
-        ]
-        return CacheState(layers)
+        return CacheState([layer.cache_layer() for _, layer in sorted(self._layers.items())])
 
 
 def assemble_messages(

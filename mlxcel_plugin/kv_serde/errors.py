@@ -66,3 +66,9 @@ class UnexpectedMessage(HandoffError):
     """A message out of place: chunk before begin, duplicate chunk, conflicting begin."""
 
     code = "handoff_unexpected_message"
+
+
+class AdoptFailed(HandoffError):
+    """The engine could not take a received layer into its own arrays."""
+
+    code = "handoff_adopt_failed"

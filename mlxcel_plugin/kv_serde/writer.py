@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import numpy as np
 
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec, storage_dtype
 from mlxcel_plugin.kv_codecs.base import raw_view
+from mlxcel_plugin.kv_serde.checksum import crc32
 from mlxcel_plugin.kv_serde.errors import (
     FingerprintMismatch,
     LayerCountMismatch,
@@ -131,7 +131,7 @@ class KVWriter:
                 raise OversizeDeclared(
                     f"{self.codec.name} chunk of {len(body)} bytes exceeds {self.max_body_bytes}"
                 )
-            crc = zlib.crc32(self._held_bytes(part, body, meta), crc)
+            crc = crc32(self._held_bytes(part, body, meta), crc)
             header = ChunkHeader(
                 self.header.handoff_id,
                 self.header.epoch,

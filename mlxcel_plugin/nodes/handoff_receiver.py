@@ -6,9 +6,11 @@ routed by ``handoff_id``; the begin is checked by ``admit`` (capacity, known
 request, fingerprint) before anything is allocated. Every refusal names its
 code (it goes into the KV_ACK) and frees the partial cache.
 
-Receive buffers come from one ``BufferPool``, reused once the engine has copied
-a cache into MLX; ``body_destination`` is the links' body sink, so a raw
-chunk's body is decrypted straight into its place in the layer buffer.
+Receive buffers come from one ``BufferPool``; ``body_destination`` is the links'
+body sink, so a raw chunk's body is decrypted straight into its place in the
+layer buffer. With the engine's ``adopt`` (``engine_api.layer_adopter``) each
+layer is copied into the engine's arrays as soon as it is whole and verified,
+while the next layers arrive, and its buffers go back to the pool at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from mlxcel_plugin.engine_api import LayerAdopter
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.frames import Frame, FrameType
 from mlxcel_plugin.kv_codecs import KVCodec
@@ -74,10 +77,12 @@ Outcome = Completed | Refused | None
 
 class HandoffReceiver:
     def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec], admit: Admit,
-                 limits: AssemblerLimits | None = None, pool: BufferPool | None = None):
+                 limits: AssemblerLimits | None = None, pool: BufferPool | None = None,
+                 adopt: LayerAdopter | None = None):
         self.local, self.codecs, self.admit = local, codecs, admit
         self.limits = limits or AssemblerLimits()
         self.pool = pool or BufferPool()
+        self.adopt = adopt
         self.ingests: dict[str, Ingest] = {}  # by handoff_id
 
     @property
@@ -139,7 +144,8 @@ class HandoffReceiver:
         except (HandoffError, AtCapacityError) as exc:
             return Refused(request_id, handoff_id, epoch, link, exc, admitted=False)
         assembler = KVAssembler(self.local, self.codecs, self.limits,
-                                expected_request_id=header.request_id, pool=self.pool)
+                                expected_request_id=header.request_id, pool=self.pool,
+                                adopt=self.adopt)
         ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
         self.ingests[handoff_id] = ingest
         try:

@@ -89,3 +89,22 @@ def test_rotating_cache_handoff_decodes_like_the_original(tiny_model_path):
     assert layers[0].kind == "RotatingKVCache" and layers[0].meta["max_size"] == 128
     rebuilt = kv_convert.from_cache_state(CacheState(layers))
     assert _greedy(model, rebuilt, first, 24) == _greedy(model, caches, first, 24)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_an_adopted_layer_holds_mlx_arrays_and_rebuilds_the_same_cache(dtype):
+    cache = filled_kv_cache(dtype)
+    layer = kv_convert.to_cache_layer(cache)
+    adopted = kv_convert.adopt_layer(layer)
+    assert isinstance(adopted.keys, mx.array) and isinstance(adopted.values, mx.array)
+    layer.keys[...] = 0  # the receive buffer is reused at once: the adopted layer owns a copy
+    kv_convert.check_cache_state(CacheState([adopted]), _fingerprint(dtype), prompt_len=300)
+    rebuilt = kv_convert.from_cache_layer(adopted)
+    assert rebuilt.keys.dtype == dtype and rebuilt.offset == 300
+    assert mx.array_equal(rebuilt.keys, cache.keys[..., :300, :]).item()
+    assert mx.array_equal(rebuilt.values, cache.values[..., :300, :]).item()
+
+
+def _fingerprint(dtype: mx.Dtype) -> dict:
+    return {"cache_classes": ["KVCache"], "dtype": kv_convert.dtype_name(dtype),
+            "kv_heads": 2, "head_dim": 16}

@@ -8,7 +8,8 @@ nodes run). For each case the prefill process
 2. prefills again with ``engine.prefill``; ``on_layer`` feeds the transfer
    strategy as each layer is evaluated, and its messages go over ``dial_link``
    lanes (AES-GCM records, bulk channel) to the decode process, which
-   assembles them (``KVAssembler``), rebuilds the MLX cache and decodes
+   assembles them (``KVAssembler``, each layer adopted into MLX by the
+   engine as it completes), rebuilds the MLX cache and decodes
    (``engine.decode``).
 
 The test asserts ``[first token] + decoded tokens == reference``. This is the
@@ -92,6 +93,7 @@ class _TokenWaiter:
 
 
 async def _decode_main(model: str) -> None:
+    from mlxcel_plugin.engine_api import layer_adopter
     from mlxcel_plugin.frames import FrameType
     from mlxcel_plugin.kv_codecs import builtin_codecs
     from mlxcel_plugin.kv_serde import KVAssembler, KVMessage, ModelFingerprint
@@ -125,7 +127,9 @@ async def _decode_main(model: str) -> None:
             handoff_id = str(frame.header["handoff_id"])
             if frame.type is FrameType.KV_END:
                 first_tokens[handoff_id] = int(frame.header[END_FIRST_TOKEN])
-            assembler = assemblers.setdefault(handoff_id, KVAssembler(local, codecs))
+            if handoff_id not in assemblers:  # layers go into MLX as they complete, as on a node
+                assemblers[handoff_id] = KVAssembler(local, codecs, adopt=layer_adopter(engine))
+            assembler = assemblers[handoff_id]
             state = assembler.feed(KVMessage(kinds[frame.type], frame.header, frame.body))
             if state is not None:
                 del assemblers[handoff_id]

@@ -1,0 +1,79 @@
+"""One layer of a handoff being received: its buffers, which rows have arrived, its checksums.
+
+Once both tensors are whole and checksummed, the layer is handed to the
+engine's adopter (``engine_api.LayerAdopter``), which copies it into the
+engine's own arrays while later layers are still on the wire; the receive
+buffers are dropped then, so they go back to the pool after one layer, not
+after the whole cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
+from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.kv_serde.checksum import crc32
+from mlxcel_plugin.kv_serde.errors import AdoptFailed
+from mlxcel_plugin.kv_serde.messages import TENSORS, LayerDescriptor
+
+
+@dataclass
+class ReceivedLayer:
+    descriptor: LayerDescriptor
+    kind: str  # mlx-lm cache class, from the fingerprint
+    dtype: str
+    tensors: dict[str, np.ndarray]  # "k"/"v" -> [1, kv_heads, tokens, head_dim]; {} once adopted
+    claimed: dict[str, np.ndarray]  # "k"/"v" -> bool per row: filled, or reserved for a body
+    rows_left: dict[str, int]  # "k"/"v" -> rows not yet filled
+    # (tensor, row) -> rows of a chunk whose body is being written in place.
+    reserved: dict[tuple[str, int], int] = field(default_factory=dict)
+    crcs: dict[str, int] = field(default_factory=dict)  # of each tensor once it is complete
+    adopted: CacheLayer | None = None
+
+    @property
+    def complete(self) -> bool:
+        return not any(self.rows_left.values())
+
+    @property
+    def rows(self) -> int:
+        return int(self.claimed[TENSORS[0]].size)
+
+    def rows_view(self, tensor: str, row: int, rows: int) -> memoryview:
+        """The bytes of rows ``[row, row + rows)`` of ``tensor`` viewed as [rows, head_dim]."""
+        array = self.tensors[tensor]
+        flat = array.reshape(-1, array.shape[-1])
+        return memoryview(flat[row : row + rows]).cast("B")
+
+    def tensor_filled(self, tensor: str, rows: int) -> bool:
+        """Count ``rows`` more rows of ``tensor``; True when it just became whole (checksummed)."""
+        self.rows_left[tensor] -= rows
+        if self.rows_left[tensor]:
+            return False
+        # As soon as it is whole: the checksum overlaps the rest of the transfer.
+        self.crcs[tensor] = crc32(memoryview(self.tensors[tensor]).cast("B"))
+        return True
+
+    def cache_layer(self) -> CacheLayer:
+        if self.adopted is not None:
+            return self.adopted
+        return CacheLayer(
+            kind=self.kind,
+            keys=self.tensors["k"],
+            values=self.tensors["v"],
+            dtype=self.dtype,
+            offset=self.descriptor.offset,
+            meta=dict(self.descriptor.meta),
+        )
+
+    def adopt(self, adopter: LayerAdopter) -> None:
+        """Hand the whole layer to the engine's adopter and let go of the receive buffers."""
+        try:
+            self.adopted = adopter(self.cache_layer())
+        except HandoffError:
+            raise
+        except Exception as exc:  # the engine's own failure (say, out of memory) fails this handoff
+            raise AdoptFailed(f"engine could not take a received layer: {exc!r:.200}") from exc
+        self.tensors = {}

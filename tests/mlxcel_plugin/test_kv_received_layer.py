@@ -1,0 +1,130 @@
+"""Layers handed to the engine's adopter as each completes; checksums match zlib's crc32."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+
+from mlxcel_plugin.engine_api import CacheLayer, layer_adopter
+from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_serde import AdoptFailed, BufferPool, KVAssembler, SerializableCacheState
+from mlxcel_plugin.kv_serde.checksum import crc32
+from mlxcel_plugin.testing.caches import (
+    assert_caches_equal,
+    make_cache,
+    make_fingerprint,
+    make_header,
+)
+
+CODECS = builtin_codecs()
+FP = make_fingerprint(num_layers=3, kv_heads=2, head_dim=64, dtype="float16")
+TOKENS = 300
+
+
+@dataclasses.dataclass
+class CopyingAdopter:
+    """Stands in for an engine's adopt_layer: copies, and records what it was given."""
+
+    seen: list[CacheLayer] = dataclasses.field(default_factory=list)
+
+    def __call__(self, layer: CacheLayer) -> CacheLayer:
+        self.seen.append(layer)
+        return copy_layer(layer)
+
+
+def copy_layer(layer: CacheLayer) -> CacheLayer:
+    return dataclasses.replace(layer, keys=layer.keys.copy(), values=layer.values.copy())
+
+
+def handoff(codec: str = "none"):
+    cache = make_cache(FP, TOKENS, seed=3)
+    state = SerializableCacheState(make_header(FP, TOKENS, codec=codec), cache)
+    return state.to_messages(resolve_codec(codec, CODECS), chunk_bytes=8192), cache
+
+
+def test_each_layer_is_adopted_once_as_soon_as_it_is_whole():
+    messages, cache = handoff()
+    adopter = CopyingAdopter()
+    assembler = KVAssembler(FP, CODECS, adopt=adopter)
+    for message in messages[:-1]:  # everything but end
+        assembler.feed(message)
+        complete = {m.header["layer"] for m in messages[1 : messages.index(message) + 1]}
+        assert len(adopter.seen) <= len(complete)
+    assert len(adopter.seen) == FP.num_layers
+    for seen, sent in zip(adopter.seen, cache.layers, strict=True):
+        np.testing.assert_array_equal(seen.keys, sent.keys)
+        np.testing.assert_array_equal(seen.values, sent.values)
+    result = assembler.feed(messages[-1])
+    assert_caches_equal(result.cache, cache)
+    assert all(a is not s.keys for a, s in zip(result.cache.layers, adopter.seen, strict=True))
+
+
+def test_the_handoff_holds_what_the_adopter_returned():
+    messages, cache = handoff()
+    returned = []
+
+    def adopt(layer: CacheLayer) -> CacheLayer:
+        returned.append(dataclasses.replace(layer, meta={**layer.meta, "adopted": True}))
+        return returned[-1]
+
+    assembler = KVAssembler(FP, CODECS, adopt=adopt)
+    result = [r for r in map(assembler.feed, messages) if r is not None][0]
+    assert result.cache.layers == returned
+
+
+def test_receive_buffers_go_back_to_the_pool_once_a_layer_is_adopted():
+    messages, _ = handoff()
+    pool = BufferPool()
+    assembler = KVAssembler(FP, CODECS, pool=pool, adopt=copy_layer)
+    layer0 = [m for m in messages if m.kind == "begin" or m.header.get("layer") == 0]
+    for message in layer0:
+        assembler.feed(message)
+    assert pool.reused == 0
+    first_of_layer1 = next(m for m in messages if m.header.get("layer") == 1)
+    assembler.feed(first_of_layer1)
+    assert pool.reused == 2  # layer 1's K and V took layer 0's slabs, before the handoff ended
+
+
+def test_lossy_codecs_are_adopted_too():
+    messages, _ = handoff("int8")
+    adopter = CopyingAdopter()
+    assembler = KVAssembler(FP, CODECS, adopt=adopter)
+    result = [r for r in map(assembler.feed, messages) if r is not None][0]
+    assert len(adopter.seen) == FP.num_layers and result.cache.layers[0].keys.shape[2] == TOKENS
+
+
+def test_an_adopter_failure_fails_the_handoff_with_a_named_error():
+    messages, _ = handoff()
+
+    def adopt(layer: CacheLayer) -> CacheLayer:
+        raise MemoryError("no room")
+
+    assembler = KVAssembler(FP, CODECS, adopt=adopt)
+    with pytest.raises(AdoptFailed, match="MemoryError") as failure:
+        for message in messages:
+            assembler.feed(message)
+    assert failure.value.code == "handoff_adopt_failed"
+    assert assembler.allocated_bytes == 0
+
+
+def test_engines_without_adopt_layer_get_none():
+    class NumpyEngine:
+        pass
+
+    class AdoptingEngine:
+        def adopt_layer(self, layer: CacheLayer) -> CacheLayer:
+            return layer
+
+    assert layer_adopter(NumpyEngine()) is None
+    engine = AdoptingEngine()
+    assert layer_adopter(engine) == engine.adopt_layer
+
+
+@pytest.mark.parametrize("size", [0, 1, 5000, 1 << 20])
+def test_checksum_is_zlibs_crc32(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[size // 2 :], crc32(data[: size // 2])) == zlib.crc32(data)
