@@ -8,33 +8,30 @@ from mlxcel_plugin.transfer.base import StrategyOptions, WriterStrategy
 
 
 class FullTransfer(WriterStrategy):
-    """Holds layers until ``finish``, then emits begin, every chunk, end.
+    """Holds every message until ``finish``, then emits begin, every chunk, end.
 
     Simplest and lowest-overhead; right for small payloads, where overlapping
-    transfer with compute saves nothing.
+    transfer with compute saves nothing. Each layer is still encoded (sliced,
+    checksummed) as it arrives, while prefill computes the next, so ``finish``
+    only has to emit: the first byte goes out without a checksum pass first.
     """
 
     name = "full"
 
     def __init__(self, options: StrategyOptions | None = None):
         super().__init__(options)
-        self._layers: dict[int, CacheLayer] = {}
+        self._chunks: dict[int, list[KVMessage]] = {}
 
     def start(self, header: HandoffHeader) -> list[KVMessage]:
         self._start_writer(header)
         return []
 
     def add_layer(self, index: int, layer: CacheLayer) -> list[KVMessage]:
-        self._live_writer()
-        # Keep a reference only; encoding waits for finish().
-        self._layers[index] = layer
+        self._chunks[index] = self._live_writer().layer(index, layer)
         return []
 
     def finish(self) -> list[KVMessage]:
         writer = self._finish_writer()
-        messages = [writer.begin()]
-        for index in sorted(self._layers):
-            messages.extend(writer.layer(index, self._layers[index]))
-        self._layers.clear()
-        messages.append(writer.end())
-        return messages
+        chunks = [chunk for index in sorted(self._chunks) for chunk in self._chunks[index]]
+        self._chunks.clear()
+        return [writer.begin(), *chunks, writer.end()]
