@@ -214,7 +214,13 @@ class FakePrefill(FakeNode):
             await link.send(ErrorFrame(code, f"{self.node_id} says {code}",
                                        request.request_id).to_frame())
             return
-        task = asyncio.create_task(self._prefill(link, request))
+        if self.prefill_delay_s:
+            self._spawn(self._prefill(link, request))
+        else:
+            await self._prefill(link, request)  # zero cost: the first token goes out now
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -228,7 +234,7 @@ class FakePrefill(FakeNode):
             finish = "stop" if tokens[0] == EOS or len(tokens) == 1 else "length"
         await link.send(Result(request.request_id, 0, [tokens[0]], finish, 1).to_frame())
         if finish is None:
-            await self._handoff(self.decodes[request.decode_target], request, tokens[1:])
+            self._spawn(self._handoff(self.decodes[request.decode_target], request, tokens[1:]))
 
     async def _handoff(self, decode: FakeDecode, request: Request, tokens: list[int]) -> None:
         # The claim went first but on another link: give it a moment to land, like a real node.
