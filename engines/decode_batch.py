@@ -1,21 +1,38 @@
 """The running decode batch: sequences join and leave between steps.
 
-Per-sequence caches (from a local prefill or rebuilt from a handoff) are merged
-with mlx-lm's ``BatchKVCache.merge`` (left-padded) and appended with
-``extend``; finished or cancelled sequences leave with ``filter``.
+Sequences of similar length share a *group*: one left-padded sub-batch
+(mlx-lm's ``BatchKVCache``: ``merge`` to build, ``extend`` to join, ``filter``
+to leave). Attention in a group runs over its longest sequence, so a 2k-token
+handoff joining short streams would make each of them attend (and copy) 2k
+padded positions on every step; instead it opens a group of its own. A lone
+sequence keeps its own per-sequence caches (no merge copy, no padding mask).
+Every group's forward is built first and evaluated together, once per step;
+where the model is ``head(body(x))`` the groups share one vocabulary
+projection (for small models, reading ``lm_head`` is much of a step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EmitToken, GenerationRequest
+
+# A sequence joins a group while the group's longest sequence is at most this
+# many times its shortest: padded attention costs at most twice the real one.
+MAX_LENGTH_RATIO = 2.0
+# ...or while they differ by at most this many tokens (short prompts batch together).
+LENGTH_SLACK_TOKENS = 256
+# Each group is one more forward per step; past this many, a sequence joins the
+# group it pads least.
+MAX_GROUPS = 4
 
 
 @dataclass
@@ -44,37 +61,158 @@ def merge_caches(per_sequence: list[list[Any]]) -> list[Any]:
     return [type(group[0]).merge(list(group)) for group in layers]
 
 
-class DecodeBatch:
-    """Sequences decoded together, one token each per :meth:`step`."""
+def cached_tokens(caches: list[Any]) -> int:
+    """Positions a sequence's attention reads (rotating caches stop at their window)."""
+    return int(caches[0].size())
 
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.sequences: list[Sequence] = []
-        self._caches: list[Any] | None = None
 
-    def __len__(self) -> int:
-        return len(self.sequences)
+def fits(lengths: list[int], n: int) -> bool:
+    """Whether a sequence of ``n`` cached tokens may share a group holding ``lengths``."""
+    lo, hi = min(*lengths, n), max(*lengths, n)
+    return hi - lo <= LENGTH_SLACK_TOKENS or hi <= MAX_LENGTH_RATIO * lo
 
-    def add(self, sequences: list[Sequence], caches: list[list[Any]]) -> None:
-        """Join new sequences (``caches[j]`` holds sequence j's per-layer caches)."""
-        merged = merge_caches(caches)
-        if self._caches is None:
-            self._caches = merged
-        else:
-            for running, new in zip(self._caches, merged, strict=True):
+
+def added_padding(lengths: list[int], n: int) -> int:
+    """Padded positions a group gains when a sequence of ``n`` tokens joins it."""
+    longest = max(lengths)
+    return len(lengths) * max(0, n - longest) + max(0, longest - n)
+
+
+Head = Callable[[mx.array], mx.array]
+
+
+def vocab_head(model: nn.Module) -> Head | None:
+    """The model's vocabulary projection, if its forward is exactly ``head(model.model(...))``.
+
+    Checked on a probe (same logits, bit for bit), so an architecture that
+    does more after its body (logit soft-capping, scaling) gets None.
+    """
+    body = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if head is None and hasattr(body, "embed_tokens"):
+        head = body.embed_tokens.as_linear  # tied embeddings
+    if body is None or head is None:
+        return None
+    probe = mx.array([[1, 2, 3]], dtype=mx.uint32)
+    try:
+        whole = model(probe, cache=make_prompt_cache(model))
+        split = head(body(probe, cache=make_prompt_cache(model)))
+    except (TypeError, ValueError, AttributeError):  # a body with another signature
+        return None
+    same = whole.shape == split.shape and bool(mx.array_equal(whole, split).item())
+    return head if same else None
+
+
+@dataclass
+class _Group:
+    """Sequences stepped as one sub-batch.
+
+    ``caches`` are a lone sequence's own per-layer caches until a second
+    sequence joins; from then on, per-layer batch caches.
+    """
+
+    sequences: list[Sequence]
+    caches: list[Any]
+    lengths: list[int]  # cached tokens per sequence (what the next step attends over)
+    batched: bool = False
+
+    @classmethod
+    def of(cls, joining: list[tuple[Sequence, list[Any]]]) -> _Group:
+        sequence, caches = joining[0]
+        group = cls([sequence], caches, [cached_tokens(caches)])
+        group.join(joining[1:])
+        return group
+
+    def join(self, joining: list[tuple[Sequence, list[Any]]]) -> None:
+        if not joining:
+            return
+        new_caches = [caches for _, caches in joining]
+        if self.batched:
+            for running, new in zip(self.caches, merge_caches(new_caches), strict=True):
                 running.extend(new)
-        self.sequences.extend(sequences)
+        else:
+            self.caches = merge_caches([self.caches, *new_caches])
+            self.batched = True
+        self.sequences += [sequence for sequence, _ in joining]
+        self.lengths += [cached_tokens(caches) for caches in new_caches]
 
     def keep(self, indices: list[int]) -> None:
-        """Keep only the sequences at ``indices``; the others' K/V are dropped."""
         if len(indices) == len(self.sequences):
             return
         self.sequences = [self.sequences[i] for i in indices]
-        if not indices or self._caches is None:
-            self._caches = None
-            return
-        for cache in self._caches:
-            cache.filter(indices)
+        self.lengths = [self.lengths[i] for i in indices]
+        if self.batched and indices:
+            for cache in self.caches:
+                cache.filter(indices)
+
+    def inputs(self) -> mx.array:
+        return mx.array([s.last_token for s in self.sequences], dtype=mx.uint32)[:, None]
+
+    def stepped(self) -> None:
+        self.lengths = [n + 1 for n in self.lengths]
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(c.nbytes for c in self.caches))
+
+
+class DecodeBatch:
+    """Sequences decoded together, one token each per :meth:`step`.
+
+    ``sequences`` lists every group's sequences in order; ``step`` returns
+    their logits rows in that order, and ``keep`` takes indices into it.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._head = vocab_head(model)
+        self._groups: list[_Group] = []
+
+    def __len__(self) -> int:
+        return sum(len(g.sequences) for g in self._groups)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [s for g in self._groups for s in g.sequences]
+
+    @property
+    def group_sizes(self) -> list[int]:
+        """Sequences per group, in order (how the batch is split into forwards)."""
+        return [len(g.sequences) for g in self._groups]
+
+    def add(self, sequences: list[Sequence], caches: list[list[Any]]) -> None:
+        """Join new sequences (``caches[j]`` holds sequence j's per-layer caches)."""
+        lengths = [list(g.lengths) for g in self._groups]
+        joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
+        for sequence, own in zip(sequences, caches, strict=True):
+            n = cached_tokens(own)
+            target = self._pick_group(lengths, n)
+            if target == len(lengths):
+                lengths.append([])
+                joining.append([])
+            lengths[target].append(n)
+            joining[target].append((sequence, own))
+        for group, arriving in zip(self._groups, joining, strict=False):
+            group.join(arriving)
+        self._groups += [_Group.of(arriving) for arriving in joining[len(self._groups) :]]
+
+    @staticmethod
+    def _pick_group(lengths: list[list[int]], n: int) -> int:
+        """The group a sequence of ``n`` tokens joins; ``len(lengths)``: a new one."""
+        candidates = [i for i, held in enumerate(lengths) if fits(held, n)]
+        if not candidates and len(lengths) < MAX_GROUPS:
+            return len(lengths)
+        pool = candidates or range(len(lengths))
+        return min(pool, key=lambda i: added_padding(lengths[i], n))
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only the sequences at ``indices``; the others' K/V are dropped."""
+        wanted, start = set(indices), 0
+        for group in self._groups:
+            size = len(group.sequences)
+            group.keep([i - start for i in range(start, start + size) if i in wanted])
+            start += size
+        self._groups = [g for g in self._groups if g.sequences]
 
     def remove(self, request_ids: set[str]) -> list[Sequence]:
         removed = [s for s in self.sequences if s.request_id in request_ids]
@@ -84,13 +222,23 @@ class DecodeBatch:
 
     def step(self) -> np.ndarray:
         """One forward for every sequence; returns float32 logits ``[B, vocab]``."""
-        inputs = mx.array([s.last_token for s in self.sequences], dtype=mx.uint32)[:, None]
-        logits = self.model(inputs, cache=self._caches)[:, -1, :].astype(mx.float32)
+        logits = self._forward().astype(mx.float32)
         mx.eval(logits)
+        for group in self._groups:
+            group.stepped()
         return np.array(logits)
+
+    def _forward(self) -> mx.array:
+        """Next-token logits of every group, in order (lazy)."""
+        groups = self._groups
+        if len(groups) == 1:
+            return self.model(groups[0].inputs(), cache=groups[0].caches)[:, -1, :]
+        if self._head is None:
+            rows = [self.model(g.inputs(), cache=g.caches)[:, -1, :] for g in groups]
+            return mx.concatenate(rows)
+        hidden = [self.model.model(g.inputs(), cache=g.caches)[:, -1, :] for g in groups]
+        return self._head(mx.concatenate(hidden))
 
     @property
     def nbytes(self) -> int:
-        if self._caches is None:
-            return 0
-        return int(sum(c.nbytes for c in self._caches))
+        return sum(g.nbytes for g in self._groups)
