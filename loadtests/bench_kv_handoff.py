@@ -7,8 +7,9 @@ node does it: the MLX engine's ``adopt_layer`` as each layer completes, then
 everything evaluated. The clock runs from the strategy's ``start`` to the
 receiver's KV_ACK, sent once the MLX arrays of every layer exist. Each repeat
 alternates every path so all see the same machine load; ratios are taken per
-repeat against that repeat's raw TCP. Both processes also report their CPU
-seconds per handoff: on 2 cores the sum, not any one phase, bounds wall time.
+repeat against that repeat's raw TCP; an unrecorded warm-up repeat comes first.
+Both processes also report their CPU seconds per handoff: on 2 cores the sum,
+not any one phase, bounds wall time.
 
 Paths (sender = this process, receiver = one spawned process for all of them):
 
@@ -471,8 +472,11 @@ class Samples:
     seconds: dict[str, list[float]] = field(default_factory=dict)
     ratios: dict[str, list[float]] = field(default_factory=dict)
     phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    recording: bool = True
 
     def add(self, label: str, seconds: float, raw_s: float, phases: dict[str, float]) -> None:
+        if not self.recording:
+            return
         self.seconds.setdefault(label, []).append(seconds)
         self.ratios.setdefault(label, []).append(raw_s / seconds)
         self.phases.setdefault(label, []).append(phases)
@@ -485,7 +489,11 @@ async def measure_case(
     tokens = cache.layers[0].offset
     views = tensor_views(cache)
     samples = Samples()
-    for repeat in range(repeats):
+    # Repeat 0 warms up and is not recorded: a serving decode node has faulted in its
+    # allocators' pages (numpy pool, MLX) long before; first-touch page faults are not
+    # what a handoff costs in steady state.
+    for repeat in range(repeats + 1):
+        samples.recording = repeat > 0
         raw_s = raw_tcp_once(peer.raw_conn(), views)
         samples.add("raw TCP", raw_s, raw_s, {})
         for path in paths[1:]:
