@@ -12,6 +12,11 @@ agreement, see ``loadtests/bench_kv_agreement.py``):
 * the first ``exact_tokens`` tokens of every head travel unquantized (the
   attention sink; see ``groups``).
 
+On SmolLM2 (fp32 cache, 20 chat prompts, teacher-forced) this cut the mean
+change of the top-1/top-2 logit gap from 0.031 to 0.011 for int8 (casting the
+cache to bfloat16 gives 0.008) and from 0.58 to 0.19 for int4. Greedy decoding
+still flips where a prompt has a near-tie below that (some have gaps < 0.005).
+
 Without a layout (``encode(array, dtype)``) the codec cannot tell K from V or
 heads apart: it quantizes as it does values, with no exact rows.
 
