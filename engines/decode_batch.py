@@ -33,6 +33,12 @@ LENGTH_SLACK_TOKENS = 256
 # Each group is one more forward per step; past this many, a sequence joins the
 # group it pads least.
 MAX_GROUPS = 4
+# An extra forward per step costs about as much as copying this many cached
+# tokens (tiny test model on CPU: ~4k; SmolLM2-135M's weights: ~9k tokens of
+# its KV). Joining a group copies the whole group's caches twice (``extend``,
+# then ``filter`` when the sequence leaves), so a sequence with only a few
+# tokens to go opens a group of its own instead.
+FORWARD_COST_TOKENS = 4096
 
 
 @dataclass
@@ -54,6 +60,13 @@ class Sequence:
         """Absolute position of the token the next step samples."""
         return len(self.request.prompt_tokens) + self.num_generated
 
+    @property
+    def steps_left(self) -> int | None:
+        """Steps until ``max_tokens`` (EOS may come sooner); None when unbounded."""
+        if self.request is None:
+            return None
+        return self.request.max_tokens - self.num_generated
+
 
 def merge_caches(per_sequence: list[list[Any]]) -> list[Any]:
     """Per-layer batch caches from one cache list per sequence."""
@@ -70,6 +83,14 @@ def fits(lengths: list[int], n: int) -> bool:
     """Whether a sequence of ``n`` cached tokens may share a group holding ``lengths``."""
     lo, hi = min(*lengths, n), max(*lengths, n)
     return hi - lo <= LENGTH_SLACK_TOKENS or hi <= MAX_LENGTH_RATIO * lo
+
+
+def worth_joining(lengths: list[int], n: int, steps_left: int | None) -> bool:
+    """Whether the copies of joining cost less than a forward of its own for ``steps_left``."""
+    if steps_left is None:
+        return True
+    copied = 2 * (len(lengths) + 1) * max(*lengths, n)
+    return copied <= steps_left * FORWARD_COST_TOKENS
 
 
 def added_padding(lengths: list[int], n: int) -> int:
@@ -186,7 +207,7 @@ class DecodeBatch:
         joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
         for sequence, own in zip(sequences, caches, strict=True):
             n = cached_tokens(own)
-            target = self._pick_group(lengths, n)
+            target = self._pick_group(lengths, n, sequence.steps_left)
             if target == len(lengths):
                 lengths.append([])
                 joining.append([])
@@ -197,9 +218,13 @@ class DecodeBatch:
         self._groups += [_Group.of(arriving) for arriving in joining[len(self._groups) :]]
 
     @staticmethod
-    def _pick_group(lengths: list[list[int]], n: int) -> int:
+    def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None) -> int:
         """The group a sequence of ``n`` tokens joins; ``len(lengths)``: a new one."""
-        candidates = [i for i, held in enumerate(lengths) if fits(held, n)]
+        candidates = [
+            i
+            for i, held in enumerate(lengths)
+            if fits(held, n) and worth_joining(held, n, steps_left)
+        ]
         if not candidates and len(lengths) < MAX_GROUPS:
             return len(lengths)
         pool = candidates or range(len(lengths))

@@ -111,3 +111,21 @@ class ScaledLogits(nn.Module):
 def test_groups_share_the_vocab_head_only_where_the_forward_is_exactly_body_then_head(model):
     assert vocab_head(model) is model.lm_head
     assert vocab_head(ScaledLogits(model)) is None
+
+
+def test_a_sequence_about_to_end_does_not_copy_a_group_to_join_it(model):
+    from mlxcel_plugin.engine_api import GenerationRequest
+
+    def with_budget(first: int, max_tokens: int) -> Sequence:
+        request = GenerationRequest(f"r{max_tokens}", (1, 2, 3), max_tokens)
+        return Sequence(request, None, None, last_token=first, num_generated=1)
+
+    batch = DecodeBatch(model)
+    running = [prefilled(model, 1200, seed) for seed in range(4)]
+    batch.add([seq(f) for f, _ in running], [c for _, c in running])
+    last_step_first, last_step = prefilled(model, 2000, 7)
+    batch.add([with_budget(last_step_first, 2)], [last_step])  # one step to go
+    assert batch.group_sizes == [4, 1]
+    staying_first, staying = prefilled(model, 1300, 8)
+    batch.add([with_budget(staying_first, 500)], [staying])
+    assert batch.group_sizes == [5, 1]
