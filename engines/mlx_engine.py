@@ -131,6 +131,7 @@ class MlxEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        kv_convert.keep_freed_buffers(self.config.kv_memory_bytes)  # handoffs reuse warm memory
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
         # An engine left open at interpreter exit must still release its MLX stream.

@@ -44,7 +44,7 @@ from typing import Any
 from bench_common import add_common_args, bench_result, table, write_json
 
 from engines import kv_convert
-from mlxcel_plugin.engine_api import CacheLayer, CacheState
+from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
 from mlxcel_plugin.frames import Frame, FrameType, kv_frame
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
@@ -247,6 +247,7 @@ def _recv_into(conn: socket.socket, view: memoryview) -> bool:
 
 def receiver_main(port_q: Any) -> None:
     """Entry point of the receiving process (raw TCP listener + link server)."""
+    kv_convert.keep_freed_buffers(EngineConfig().kv_memory_bytes)  # as MlxEngine.start does
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=_raw_server, args=(listener,), daemon=True).start()
     sink = KVSink()
