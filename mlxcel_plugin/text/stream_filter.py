@@ -8,8 +8,9 @@ next piece decides whether it is markup or text, so markup never leaks.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 CONTENT = "content"
@@ -41,6 +42,12 @@ class FilterMarkers:
         return FilterMarkers(self.think_open, self.think_close, self.tool_pairs + extra)
 
 
+@functools.lru_cache(maxsize=32)
+def _start_finder(starts: tuple[str, ...]) -> Callable[[str], re.Match[str] | None]:
+    """Finds the first character of any marker (one pattern per marker set, not per request)."""
+    return re.compile("|".join(map(re.escape, starts)) or "(?!)").search
+
+
 class StreamFilter:
     def __init__(self, markers: FilterMarkers | None = None, *, start_in_reasoning: bool = False):
         self._m = markers or FilterMarkers()
@@ -50,8 +57,7 @@ class StreamFilter:
         # The first characters of every marker: text without any of them is plain text.
         markers = [self._m.think_open, self._m.think_close]
         markers += [m for pair in self._m.tool_pairs for m in pair if m]
-        starts = sorted({m[0] for m in markers if m})
-        self._find_start = re.compile("|".join(map(re.escape, starts)) or "(?!)").search
+        self._find_start = _start_finder(tuple(sorted({m[0] for m in markers if m})))
 
     @property
     def state(self) -> str:
