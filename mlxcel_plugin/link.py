@@ -24,7 +24,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import struct
+import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,6 +96,9 @@ class LinkConfig:
     bulk_threshold_bytes: int = 256 * 1024  # bodies at least this big use the bulk channel
     bulk_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     bulk_io_timeout_s: float = 60.0
+    # Linux: niceness of the thread that receives and decrypts bulk bodies. A decode
+    # node raises it so KV ingestion yields the core to the running decode batch.
+    bulk_reader_nice: int = 0
 
     @property
     def ws_max_size(self) -> int:
@@ -162,7 +168,9 @@ class Link:
         # One thread per direction: bodies are written and read strictly in submission
         # order, so the writer and reader tasks can queue the next body without waiting.
         self._bulk_out = ThreadPoolExecutor(1, "mlxcel-bulk-out") if bulk else None
-        self._bulk_in = ThreadPoolExecutor(1, "mlxcel-bulk-in") if bulk else None
+        self._bulk_in = ThreadPoolExecutor(
+            1, "mlxcel-bulk-in", initializer=_lower_thread_priority,
+            initargs=(config.bulk_reader_nice,)) if bulk else None
         self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
@@ -626,6 +634,16 @@ class Link:
             self._queue_control(Ping.from_frame(frame).pong())
             return None
         return frame
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Renice the calling thread (Linux schedules threads as tasks; elsewhere a no-op)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as exc:
+        logger.debug("cannot renice the bulk reader thread: %s", exc)
 
 
 def _flat_body(frame: Frame) -> Frame:

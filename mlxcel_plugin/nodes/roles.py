@@ -20,7 +20,7 @@ from typing import Any
 from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.kv_codecs import resolve_codec
-from mlxcel_plugin.link import Link
+from mlxcel_plugin.link import Link, LinkConfig
 from mlxcel_plugin.link_server import serve_links
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
@@ -74,6 +74,24 @@ def decode_scheduler_config(config: ServerConfig) -> DecodeSchedulerConfig:
                                   "[decode_scheduler]")
 
 
+# A decode node receives KV bodies on a thread that yields the core to its decode
+# batch (the isolation disaggregation is for): ingestion runs on what the batch leaves.
+DECODE_BULK_READER_NICE = 10
+# KV chunks from this size on take the bulk channel: decrypted off the event loop, into
+# the assembler's buffers, without the GIL, instead of on the loop the batch shares.
+KV_BULK_THRESHOLD_BYTES = 32 * 1024
+
+
+def link_config(role: str) -> LinkConfig:
+    """The links a node serves: decode nodes receive KV bodies at a lower CPU priority."""
+    return LinkConfig(bulk_reader_nice=DECODE_BULK_READER_NICE if role == "decode" else 0)
+
+
+def kv_link_config() -> LinkConfig:
+    """Links a prefill node dials to decode nodes to hand KV caches over."""
+    return LinkConfig(bulk_threshold_bytes=KV_BULK_THRESHOLD_BYTES)
+
+
 def node_settings(config: ServerConfig) -> NodeSettings:
     return dataclass_from_mapping(NodeSettings, config.section(TELEMETRY_SECTION), "[node]")
 
@@ -110,7 +128,7 @@ def run_prefill(config: ServerConfig, registry: PluginRegistry) -> None:
 
     def build() -> PrefillNode:
         node_id = config.effective_node_id
-        return PrefillNode(parts, DecodeLinks(secret, node_id), node_id)
+        return PrefillNode(parts, DecodeLinks(secret, node_id, kv_link_config()), node_id)
 
     run_event_loop(_serve_node(config, secret, engine, build, {"router"}))
 
@@ -154,7 +172,8 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
     settings = node_settings(config)
     on_link = _with_telemetry(node.serve, node.telemetry, settings.telemetry_interval_s)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
-                              accept_roles, on_link, max_links=settings.max_links)
+                              accept_roles, on_link, max_links=settings.max_links,
+                              config=link_config(config.role))
     ops = await serve_ops_http(config.host, config.port,
                                OpsRoutes(node.health, node.metrics.render))
     housekeeping = asyncio.create_task(node.housekeeping(), name="housekeeping")

@@ -420,3 +420,22 @@ def test_a_protocol_error_in_the_handler_closes_the_link_with_1008(caplog):
         link = run(main())
     assert link.closed and link.error.code == "frame_malformed"
     assert "not what this handler expects" in caplog.text and "d1" in caplog.text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_bulk_reader_thread_runs_at_the_configured_niceness():
+    import threading
+
+    async def main():
+        config = LinkConfig(bulk_reader_nice=7)
+        async with await serve(config=config) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            await link.send(Frame(FrameType.KV_CHUNK, {}, os.urandom(MIB)))  # bulk, echoed
+            assert len((await link.recv()).body) == MIB
+            readers = [t for t in threading.enumerate() if t.name.startswith("mlxcel-bulk-in")]
+            nice = {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in readers}
+            await link.close()
+        return nice
+
+    # The server side read the body at nice 7; the client's reader keeps the default.
+    assert run(main()) == {0, 7}
