@@ -243,6 +243,8 @@ class Server:
 def measure(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, dict]:
     figures: dict[str, dict] = {name: {"ttft_ms": [], "tok_s": [], "cpu_us": []}
                                 for name in servers}
+    for server in servers.values():  # unrecorded: first connections, lazy imports, caches
+        ttft_ms(server.url, 20, 4)
     for _ in range(args.repeats):  # alternate, so all see the same machine load
         for name, server in servers.items():
             figures[name]["ttft_ms"] += ttft_ms(server.url, args.ttft_requests, 4)
