@@ -46,6 +46,7 @@ class OutgoingHandoff:
     strategy: TransferStrategy
     target: str
     started_s: float = field(default_factory=time.monotonic)
+    finished_s: float | None = None  # the cache was complete (prefill ended)
     sent_bytes: int = 0
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
@@ -72,6 +73,7 @@ class OutgoingHandoff:
             self.fail(exc)
 
     def finish(self, first_token: int) -> None:
+        self.finished_s = time.monotonic()
         if not self.aborted:
             try:
                 self.push(self.strategy.finish(), first_token)

@@ -46,6 +46,7 @@ from mlxcel_plugin.transfer import (
     AdaptiveSelector,
     BandwidthEstimator,
     StrategyFactory,
+    TransferChoice,
     TransferConfig,
     make_strategy,
 )
@@ -70,6 +71,7 @@ class _Job:
     submitted_s: float
     handoff_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     handoff: OutgoingHandoff | None = None
+    choice: TransferChoice | None = None  # the selector's, for its measured codec ratio
     result: PrefillResult | None = None
     first_token_s: float = 0.0
     waiter: asyncio.Task[None] | None = None
@@ -229,6 +231,7 @@ class PrefillNode:
                                       lanes_available=self.parts.transfer_config.parallelism,
                                       can_stream=streaming)
         self._record_choice(job, choice, streaming)
+        job.choice = choice
         strategy = make_strategy(choice.strategy if streaming else FULL, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
                                  chunk_bytes=self.parts.transfer_config.chunk_bytes,
@@ -287,7 +290,13 @@ class PrefillNode:
         elapsed = time.monotonic() - job.first_token_s
         self.metrics.handoff_time.observe(elapsed)
         self.metrics.handoff_bytes.observe(handoff.sent_bytes)
-        self.bandwidth.observe(job.target, handoff.sent_bytes, time.monotonic() - handoff.started_s)
+        # Timed from the end of prefill: bytes streamed during it went at prefill's pace,
+        # not the link's, and counting that time would make every link look slow.
+        transfer_s = time.monotonic() - (handoff.finished_s or handoff.started_s)
+        self.bandwidth.observe(job.target, handoff.sent_bytes, transfer_s)
+        if job.choice is not None:
+            self.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
+                                        handoff.sent_bytes)
         self.scheduler.on_handoff_acked(job.request_id)
         self._forget(job, "handed_off")
 

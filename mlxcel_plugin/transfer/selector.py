@@ -31,6 +31,8 @@ class SelectorTuning:
     # Extra links only pay off when the wire time is at least this long.
     parallel_min_s: float = 0.05
     auto_codecs: tuple[str, ...] = ("none", "lz4", "shuffle+lz4")
+    # Weight of the newest handoff in a codec's measured compression ratio.
+    ratio_weight: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,24 @@ class AdaptiveSelector:
         self.config = config
         self.codecs = codecs
         self.tuning = tuning or SelectorTuning()
+        self._ratios: dict[str, float] = {}  # codec -> measured raw/wire bytes (moving)
+
+    def observe_ratio(self, codec: str, raw_bytes: int, wire_bytes: int) -> None:
+        """What ``codec`` achieved on one handoff; replaces its profile's guess from now on.
+
+        KV caches compress far less than a profile may assume (floats are nearly
+        incompressible); without this, a slow-looking link would keep paying
+        encode and decode CPU for nothing.
+        """
+        if raw_bytes <= 0 or wire_bytes <= 0:
+            return
+        ratio, weight = raw_bytes / wire_bytes, self.tuning.ratio_weight
+        old = self._ratios.get(codec)
+        self._ratios[codec] = ratio if old is None else (1 - weight) * old + weight * ratio
+
+    def ratio(self, codec: KVCodec) -> float:
+        """The measured ratio when there is one, else the codec's profile."""
+        return self._ratios.get(codec.name, codec.profile.ratio)
 
     def select(
         self,
@@ -101,7 +121,7 @@ class AdaptiveSelector:
         return {
             codec.name: (
                 payload_bytes / codec.profile.encode_bytes_per_s
-                + payload_bytes / codec.profile.ratio / bandwidth
+                + payload_bytes / self.ratio(codec) / bandwidth
                 + payload_bytes / codec.profile.decode_bytes_per_s
             )
             for codec in self._candidates()

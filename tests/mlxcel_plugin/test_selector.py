@@ -164,3 +164,24 @@ def test_choice_is_deterministic_and_loggable():
         "estimated_s",
     }
     assert logged["bandwidth_source"] == "measured"
+
+
+def test_a_measured_ratio_replaces_the_codec_profile():
+    selector = AdaptiveSelector(TransferConfig(), CODECS)
+    slow_link = 10 * MB
+    assert selector.select(64 * MB, slow_link).codec == "shuffle+lz4"  # profile: 1.15x
+    # What KV floats really give: nearly nothing, so the codec only costs CPU.
+    for _ in range(5):
+        selector.observe_ratio("shuffle+lz4", 64 * MB, 63 * MB)
+        selector.observe_ratio("lz4", 64 * MB, 64 * MB)
+    assert selector.ratio(CODECS["shuffle+lz4"]) == pytest.approx(64 / 63, rel=0.01)
+    assert selector.select(64 * MB, slow_link).codec == "none"
+
+
+def test_measured_ratios_move_with_each_handoff_and_ignore_empty_ones():
+    selector = AdaptiveSelector(TransferConfig(), CODECS, SelectorTuning(ratio_weight=0.5))
+    selector.observe_ratio("lz4", 0, 10)  # nothing sent: no information
+    assert selector.ratio(CODECS["lz4"]) == CODECS["lz4"].profile.ratio
+    selector.observe_ratio("lz4", 200, 100)
+    selector.observe_ratio("lz4", 100, 100)
+    assert selector.ratio(CODECS["lz4"]) == pytest.approx(1.5)
