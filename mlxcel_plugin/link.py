@@ -44,6 +44,7 @@ from mlxcel_plugin.frames import (
     decode_frame,
     encode_frame,
     encode_header,
+    frame_size,
     split_frame,
 )
 from mlxcel_plugin.handshake import PeerInfo, Session
@@ -123,17 +124,20 @@ class _ByteBudget:
         self._changed = asyncio.Event()
 
     async def acquire(self, n: int, is_open: Callable[[], bool]) -> None:
-        # A frame bigger than the whole budget still goes, alone.
-        while is_open() and self.used and self.used + n > self._limit:  # ends on release/close
+        while is_open() and not self._fits(n):  # ends on release/close
             self._changed.clear()
             await self._changed.wait()
         self.used += n
 
     def try_acquire(self, n: int) -> bool:
-        if self.used and self.used + n > self._limit:
+        if not self._fits(n):
             return False
         self.used += n
         return True
+
+    def _fits(self, n: int) -> bool:
+        # A frame bigger than the whole budget still goes, alone.
+        return not self.used or self.used + n <= self._limit
 
     def release(self, n: int) -> None:
         self.used -= n
@@ -275,7 +279,7 @@ class Link:
 
     def _checked(self, frame: Frame) -> tuple[Frame, int]:
         frame = _flat_body(frame)
-        size = len(encode_header(frame.type, frame.header)) + len(frame.body)
+        size = frame_size(frame)
         if size > self._config.max_frame_bytes:
             raise FrameTooLarge(f"frame of {size} bytes exceeds {self._config.max_frame_bytes}")
         self._raise_if_closed()
