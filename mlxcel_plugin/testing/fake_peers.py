@@ -269,24 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
 
+    from mlxcel_plugin.nodes.roles import run_event_loop
+
     parser = argparse.ArgumentParser(description="zero-cost prefill + decode link peers")
     parser.add_argument("--cluster-secret-file", required=True)
     parser.add_argument("--prefill-bind", required=True)
     parser.add_argument("--decode-bind", required=True)
     args = parser.parse_args(argv)
     secret = load_cluster_secret(args.cluster_secret_file, os.environ)
-    with asyncio.Runner(loop_factory=_fastest_loop()) as runner:
-        runner.run(serve_pair(secret, args.prefill_bind, args.decode_bind))
+    run_event_loop(serve_pair(secret, args.prefill_bind, args.decode_bind))  # as real nodes do
     return 0
-
-
-def _fastest_loop():
-    """uvloop when installed (the real nodes run on it too)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":
