@@ -50,7 +50,7 @@ from bench_common import (  # noqa: E402
 )
 from sse_relay_client import relay_run  # noqa: E402
 
-from mlxcel_plugin.local_cluster import free_port  # noqa: E402
+from mlxcel_plugin.local_cluster import free_port, pin_process  # noqa: E402
 
 MODEL = "bench"
 PLAIN_APP = "plain_sse_app"
@@ -115,8 +115,9 @@ def start_plain(workdir: Path, token_texts: list[str], core: int):
 
 
 def pin(pid: int, core: int) -> None:
-    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
-        os.sched_setaffinity(pid, {core})
+    """Every thread of ``pid`` on ``core`` (when this machine has it)."""
+    if core < (os.cpu_count() or 1):
+        pin_process(pid, {core})
 
 
 # ---------------------------------------------------------------- the cluster
