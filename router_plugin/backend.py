@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol, TypeVar
 
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, TokenEvent
+from mlxcel_plugin.engine_mailbox import EngineMailbox
 
 T = TypeVar("T")
 
@@ -49,16 +50,11 @@ class LocalEngineBackend:
         return True
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def emit(event: TokenEvent) -> None:  # called on the engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:
-                pass  # the event loop is closed: nobody is left to read this event
-
-        self.engine.generate(request, emit)
+        # One per request, on this call's loop (a LiteLLM caller may use several loops):
+        # events the engine thread emits in a burst wake the loop once.
+        mailbox = EngineMailbox(asyncio.get_running_loop(), queue.put_nowait)
+        self.engine.generate(request, mailbox.put)
         finished = False
         try:
             while not finished:
