@@ -25,7 +25,6 @@ import asyncio
 import collections
 import logging
 import os
-import struct
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -40,32 +39,29 @@ from mlxcel_plugin.frames import (
     Frame,
     FrameType,
     Ping,
-    UnknownFrameType,
-    decode_frame,
     encode_frame,
     encode_header,
     frame_size,
-    split_frame,
 )
 from mlxcel_plugin.handshake import PeerInfo, Session
 from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel
 from mlxcel_plugin.link_records import (
     BATCH_MIN_MINOR,
     BATCH_OVERHEAD_BYTES,
-    KIND_BATCH,
+    BULK_LEN,
     KIND_BULK,
-    KIND_FRAME,
     KIND_LAST,
     KIND_PART,
+    BulkBody,
+    FrameTooLarge,
+    RecordReader,
     batch_record,
     frame_record,
-    split_batch,
 )
 from mlxcel_plugin.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
-_BULK_LEN = struct.Struct(">Q")
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -110,10 +106,6 @@ class LinkClosed(NodeLostError):
     """The link is closed (by either side, or after a protocol failure)."""
 
     code = "link_closed"
-
-
-class FrameTooLarge(ProtocolError):
-    code = "frame_too_large"
 
 
 class _ByteBudget:
@@ -167,8 +159,8 @@ class Link:
         self._drained.set()
         self._control: collections.deque[Frame] = collections.deque()
         self._inbox: asyncio.Queue[object] = asyncio.Queue(config.recv_queue_frames)
-        self._parts: list[bytes] = []
-        self._parts_bytes = 0
+        self._records = RecordReader(config.max_frame_bytes, bulk=bulk is not None,
+                                     name=local_node_id)
         # One thread per direction: bodies are written and read strictly in submission
         # order, so the writer and reader tasks can queue the next body without waiting.
         self._bulk_out = ThreadPoolExecutor(1, "mlxcel-bulk-out") if bulk else None
@@ -461,7 +453,7 @@ class Link:
         prefix = encode_header(frame.type, frame.header)
         body = frame.body
         if self._bulk is not None and len(body) >= self._config.bulk_threshold_bytes:
-            await self._send_record(bytes([KIND_BULK]) + _BULK_LEN.pack(len(body)) + prefix)
+            await self._send_record(bytes([KIND_BULK]) + BULK_LEN.pack(len(body)) + prefix)
             self._start_bulk_write(body, size)
             return True
         limit = self._config.max_record_bytes - 1
@@ -542,45 +534,20 @@ class Link:
         """What one record brings for ``recv``, in order (PINGs and unknown types dropped)."""
         if not isinstance(message, bytes):
             raise ProtocolError("text message on a link; only binary records are allowed")
-        plain = self._session.receiver.open(message)
-        if not plain:
-            raise ProtocolError("empty link record")
-        kind, payload = plain[0], memoryview(plain)[1:]
-        if kind == KIND_BULK:
-            return [self._start_bulk_read(payload)]
-        if kind == KIND_BATCH:
-            frames = (self._deliver(self._decode(frame)) for frame in split_batch(payload))
-            return [frame for frame in frames if frame is not None]
-        if kind == KIND_PART:
-            self._add_part(payload)
-            return []
-        if kind == KIND_LAST:
-            self._add_part(payload)
-            payload, self._parts, self._parts_bytes = b"".join(self._parts), [], 0
-        elif kind != KIND_FRAME:
-            raise ProtocolError(f"unknown link record kind {kind}")
-        frame = self._deliver(self._decode(payload))
-        return [] if frame is None else [frame]
+        items: list[Frame | asyncio.Future] = []
+        for item in self._records.feed(self._session.receiver.open(message)):
+            if isinstance(item, BulkBody):
+                items.append(self._start_bulk_read(item))
+            elif (frame := self._deliver(item)) is not None:
+                items.append(frame)
+        return items
 
-    def _add_part(self, payload: memoryview) -> None:
-        self._parts_bytes += len(payload)
-        if self._parts_bytes > self._config.max_frame_bytes:
-            raise FrameTooLarge(f"fragmented frame exceeds {self._config.max_frame_bytes} bytes")
-        self._parts.append(bytes(payload))
-
-    def _start_bulk_read(self, payload: memoryview) -> asyncio.Future:
+    def _start_bulk_read(self, bulk: BulkBody) -> asyncio.Future:
         """Queue the body read on the bulk thread; recv() awaits it in frame order."""
-        if self._bulk is None or len(payload) < _BULK_LEN.size:
-            raise ProtocolError("BULK record on a link without a bulk channel")
-        (n_bytes,) = _BULK_LEN.unpack_from(payload)
-        if n_bytes > self._config.max_frame_bytes:
-            raise FrameTooLarge(f"bulk body of {n_bytes} bytes exceeds "
-                                f"{self._config.max_frame_bytes}")
-        type_code, header, _ = split_frame(payload[_BULK_LEN.size:])
         loop = asyncio.get_running_loop()
         # Read the body even for an unknown frame type, to keep the stream in step.
-        body_read = loop.run_in_executor(self._bulk_in, self._bulk.read_body, n_bytes,
-                                         self._sink_buffer(type_code, header, n_bytes))
+        body_read = loop.run_in_executor(self._bulk_in, self._bulk.read_body, bulk.n_bytes,
+                                         self._sink_buffer(bulk))
         frame: asyncio.Future = loop.create_future()
 
         def arrived(done: asyncio.Future) -> None:
@@ -593,20 +560,21 @@ class Link:
                 frame.set_result(None)
                 self._spawn_fail((done.exception(), CLOSE_POLICY_VIOLATION))
             else:
-                frame.set_result(self._bulk_frame(type_code, header, done.result()))
+                frame.set_result(self._records.bulk_frame(bulk, done.result()))
 
         body_read.add_done_callback(arrived)
         self._last_bulk_read = frame
         return frame
 
-    def _sink_buffer(self, type_code: int, header: dict, n_bytes: int) -> memoryview | None:
+    def _sink_buffer(self, bulk: BulkBody) -> memoryview | None:
         if self._body_sink is None:
             return None
         try:
-            frame_type = FrameType(type_code)
+            frame_type = FrameType(bulk.type_code)
         except ValueError:
             return None
-        into = self._body_sink(frame_type, header, n_bytes)
+        n_bytes = bulk.n_bytes
+        into = self._body_sink(frame_type, bulk.header, n_bytes)
         if into is None:
             return None
         view = memoryview(into)
@@ -616,25 +584,9 @@ class Link:
             return None
         return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
-    def _bulk_frame(self, type_code: int, header: dict,
-                    body: bytearray | memoryview) -> Frame | None:
-        try:
-            return Frame(FrameType(type_code), header, memoryview(body))
-        except ValueError:
-            logger.debug("link %s: skipping unknown frame type %d", self.local_node_id, type_code)
-            return None
-
-    def _decode(self, payload: bytes | memoryview) -> Frame | None:
-        try:
-            return decode_frame(payload)
-        except UnknownFrameType as exc:
-            # A newer minor version may add frame types; skipping keeps us compatible.
-            logger.debug("link %s: skipping %s", self.local_node_id, exc.message)
-            return None
-
-    def _deliver(self, frame: Frame | None) -> Frame | None:
+    def _deliver(self, frame: Frame) -> Frame | None:
         """PINGs are answered here (whether or not the app is reading); the rest go to recv."""
-        if frame is not None and frame.type is FrameType.PING:
+        if frame.type is FrameType.PING:
             self._queue_control(Ping.from_frame(frame).pong())
             return None
         return frame

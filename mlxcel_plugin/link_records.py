@@ -3,22 +3,34 @@
 The first byte says the kind (docs/protocol.md §3). BATCH (minor version 1)
 packs several small frames into one record: one seal, one WebSocket message
 and one socket write for a burst of token results instead of one per frame.
+``RecordReader`` turns received plaintexts back into frames, without I/O.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
+from dataclasses import dataclass
+from typing import Any
 
 from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.frames import Frame, FrameType, UnknownFrameType, decode_frame, split_frame
+
+logger = logging.getLogger("mlxcel_plugin.link")
 
 KIND_FRAME, KIND_BULK, KIND_PART, KIND_LAST, KIND_BATCH = 0, 1, 2, 3, 4
 BATCH_MIN_MINOR = 1  # peers of an older minor version get one frame per record
 _FRAME_LEN = struct.Struct(">I")
+BULK_LEN = struct.Struct(">Q")  # a BULK record: body length, then the frame without its body
 BATCH_OVERHEAD_BYTES = _FRAME_LEN.size  # per frame, beyond its encoded bytes
 
 
 class MalformedRecord(ProtocolError):
     code = "record_malformed"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
 
 
 def frame_record(encoded_frame: bytes | memoryview) -> bytes:
@@ -48,3 +60,80 @@ def split_batch(payload: memoryview) -> list[memoryview]:
     if not frames:
         raise MalformedRecord("empty batch record")
     return frames
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class BulkBody:
+    """A frame announced by a BULK record; its body follows on the bulk channel."""
+
+    type_code: int
+    header: dict[str, Any]
+    n_bytes: int
+
+
+class RecordReader:
+    """Received record plaintexts in; the frames and bulk announcements they carry out.
+
+    Reassembles PART… LAST (bounded by ``max_frame_bytes``) and skips frames of a
+    type this version does not know (a newer minor peer may send them). BULK
+    records are refused unless the link has a ``bulk`` channel.
+    """
+
+    def __init__(self, max_frame_bytes: int, *, bulk: bool, name: str = ""):
+        self._max_frame_bytes, self._bulk, self._name = max_frame_bytes, bulk, name
+        self._parts: list[bytes] = []
+        self._parts_bytes = 0
+
+    def feed(self, plain: bytes | bytearray) -> list[Frame | BulkBody]:
+        if not plain:
+            raise ProtocolError("empty link record")
+        kind, payload = plain[0], memoryview(plain)[1:]
+        if kind == KIND_BULK:
+            return [self._bulk_body(payload)]
+        if kind == KIND_BATCH:
+            frames = (self._decode(frame) for frame in split_batch(payload))
+            return [frame for frame in frames if frame is not None]
+        if kind == KIND_PART:
+            self._add_part(payload)
+            return []
+        if kind == KIND_LAST:
+            self._add_part(payload)
+            payload, self._parts, self._parts_bytes = b"".join(self._parts), [], 0
+        elif kind != KIND_FRAME:
+            raise ProtocolError(f"unknown link record kind {kind}")
+        frame = self._decode(payload)
+        return [] if frame is None else [frame]
+
+    def bulk_frame(self, bulk: BulkBody, body: bytearray | memoryview) -> Frame | None:
+        """The frame once its body arrived (None for a type this version skips)."""
+        try:
+            return Frame(FrameType(bulk.type_code), bulk.header, memoryview(body))
+        except ValueError:
+            logger.debug("link %s: skipping unknown frame type %d", self._name, bulk.type_code)
+            return None
+
+    def _bulk_body(self, payload: memoryview) -> BulkBody:
+        if not self._bulk or len(payload) < BULK_LEN.size:
+            raise ProtocolError("BULK record on a link without a bulk channel")
+        (n_bytes,) = BULK_LEN.unpack_from(payload)
+        if n_bytes > self._max_frame_bytes:
+            raise FrameTooLarge(f"bulk body of {n_bytes} bytes exceeds {self._max_frame_bytes}")
+        type_code, header, _ = split_frame(payload[BULK_LEN.size:])
+        return BulkBody(type_code, header, n_bytes)
+
+    def _add_part(self, payload: memoryview) -> None:
+        self._parts_bytes += len(payload)
+        if self._parts_bytes > self._max_frame_bytes:
+            raise FrameTooLarge(f"fragmented frame exceeds {self._max_frame_bytes} bytes")
+        self._parts.append(bytes(payload))
+
+    def _decode(self, payload: bytes | memoryview) -> Frame | None:
+        try:
+            return decode_frame(payload)
+        except UnknownFrameType as exc:
+            # A newer minor version may add frame types; skipping keeps us compatible.
+            logger.debug("link %s: skipping %s", self._name, exc.message)
+            return None

@@ -1,12 +1,20 @@
-"""Link record packing, without sockets."""
+"""Link record packing and reading, without sockets."""
 
 import pytest
 
+from mlxcel_plugin.errors import ProtocolError
 from mlxcel_plugin.frames import Result, decode_frame, encode_frame
 from mlxcel_plugin.link_records import (
+    BULK_LEN,
     KIND_BATCH,
+    KIND_BULK,
     KIND_FRAME,
+    KIND_LAST,
+    KIND_PART,
+    BulkBody,
+    FrameTooLarge,
     MalformedRecord,
+    RecordReader,
     batch_record,
     frame_record,
     split_batch,
@@ -43,3 +51,52 @@ def test_a_malformed_batch_is_refused_by_name(body, why):
     with pytest.raises(MalformedRecord, match=why) as info:
         split_batch(memoryview(body))
     assert info.value.code == "record_malformed"
+
+
+# -- RecordReader ----------------------------------------------------------------
+
+
+def reader(max_frame_bytes=1 << 20, bulk=True):
+    return RecordReader(max_frame_bytes, bulk=bulk, name="test")
+
+
+def test_the_reader_gives_frames_of_frame_and_batch_records_in_order():
+    frames = encoded_results(3)
+    r = reader()
+    got = r.feed(frame_record(frames[0])) + r.feed(batch_record(frames[1:]))
+    assert [Result.from_frame(f).request_id for f in got] == ["r0", "r1", "r2"]
+
+
+def test_the_reader_reassembles_parts_within_the_frame_bound():
+    (frame,) = encoded_results(1)
+    r = reader()
+    assert r.feed(bytes([KIND_PART]) + frame[:5]) == []
+    (whole,) = r.feed(bytes([KIND_LAST]) + frame[5:])
+    assert Result.from_frame(whole).request_id == "r0"
+    small = reader(max_frame_bytes=4)
+    with pytest.raises(FrameTooLarge):
+        small.feed(bytes([KIND_PART]) + frame[:5])
+
+
+def test_the_reader_announces_bulk_bodies_and_builds_their_frames():
+    (frame,) = encoded_results(1)
+    r = reader()
+    (bulk,) = r.feed(bytes([KIND_BULK]) + BULK_LEN.pack(3) + frame)
+    assert isinstance(bulk, BulkBody) and bulk.n_bytes == 3
+    assert bytes(r.bulk_frame(bulk, bytearray(b"abc")).body) == b"abc"
+    with pytest.raises(FrameTooLarge):
+        reader(max_frame_bytes=2).feed(bytes([KIND_BULK]) + BULK_LEN.pack(3) + frame)
+    with pytest.raises(ProtocolError, match="without a bulk channel"):
+        reader(bulk=False).feed(bytes([KIND_BULK]) + BULK_LEN.pack(3) + frame)
+
+
+def test_the_reader_skips_unknown_frame_types_and_refuses_bad_records():
+    unknown = bytes([200]) + encode_frame(Result("r", 0).to_frame())[1:]
+    r = reader()
+    assert r.feed(frame_record(unknown)) == []
+    (bulk,) = r.feed(bytes([KIND_BULK]) + BULK_LEN.pack(1) + unknown)
+    assert r.bulk_frame(bulk, bytearray(b"x")) is None
+    with pytest.raises(ProtocolError, match="empty"):
+        r.feed(b"")
+    with pytest.raises(ProtocolError, match="unknown link record kind 9"):
+        r.feed(b"\x09rest")
