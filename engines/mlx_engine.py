@@ -120,6 +120,7 @@ class MlxEngine:
         self._batch = DecodeBatch(model)
         self._tokens_per_s = 0.0
         self._stats = EngineStats(free_kv_fraction=1.0)
+        self._buffer_stream: mx.Stream | None = None  # kv_buffer's own, off the engine stream
 
     @classmethod
     def from_path(cls, model_path: str, config: EngineConfig) -> MlxEngine:
@@ -163,8 +164,14 @@ class MlxEngine:
         self._submit(_Decode(request, first_token, cache, emit))
 
     def adopt_layer(self, layer: CacheLayer) -> CacheLayer:
-        """A received layer copied into MLX on the caller's thread (engine_api.Engine)."""
+        """A received layer as MLX arrays, on the caller's thread (engine_api.Engine)."""
         return kv_convert.adopt_layer(layer)
+
+    def kv_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """Receive memory inside MLX, filled on the caller's thread (engine_api.Engine)."""
+        if self._buffer_stream is None:
+            self._buffer_stream = mx.new_stream(mx.cpu)
+        return kv_convert.kv_buffer(shape, dtype, self._buffer_stream)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))

@@ -1,21 +1,22 @@
 """KV handoff throughput end to end vs raw loopback TCP, between the same two processes.
 
 One handoff = the sender's transfer strategy (KVWriter: slicing + crc32) →
-link frames (AES-256-GCM, bulk channel) → the receiver's KVAssembler (decode
-into per-layer buffers + crc32 check) → ``mx.array`` per layer, as the decode
-node does it: the MLX engine's ``adopt_layer`` as each layer completes, then
-everything evaluated. The clock runs from the strategy's ``start`` to the
-receiver's KV_ACK, sent once the MLX arrays of every layer exist. Each repeat
-alternates every path so all see the same machine load; ratios are taken per
-repeat against that repeat's raw TCP; an unrecorded warm-up repeat comes first.
-Both processes also report their CPU seconds per handoff: on 2 cores the sum,
-not any one phase, bounds wall time.
+link frames (AES-256-GCM, bulk channel) → the receiver's KVAssembler (bodies
+decrypted straight into MLX arrays' memory, ``kv_convert.kv_buffer`` + crc32
+check) → ``mx.array`` per layer, as the decode node does it: the MLX engine's
+``adopt_layer`` as each layer completes, then everything evaluated. The clock
+runs from the strategy's ``start`` to the receiver's KV_ACK, sent once the MLX
+arrays of every layer exist. Each repeat alternates every path so all see the
+same machine load; ratios are taken per repeat against that repeat's raw TCP;
+an unrecorded warm-up repeat comes first. Both processes also report their CPU
+seconds and minor page faults per handoff: on 2 cores the CPU sum, not any one
+phase, bounds wall time.
 
 Paths (sender = this process, receiver = one spawned process for all of them):
 
 * raw TCP: ``sendall`` of the cache's bytes, receiver ``recv_into`` a reused buffer
-* link bytes: the same bytes as 4 MiB KV_CHUNK frames on a link, no KV serde
-  (separates the link's cost from the KV layer's)
+* link bytes: the same bytes as 4 MiB KV_CHUNK frames on a link, no KV serde,
+  decrypted into one reused buffer (separates the link's cost from the KV layer's)
 * full / streamed / layer-parallel xN: the whole KV path above
 
 The cache is synthetic, shaped like SmolLM2-135M's (30 layers x 3 KV heads x
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import resource
 import socket
 import statistics
 import struct
@@ -89,7 +91,8 @@ END_FIRST_TOKEN = "first_token"
 
 @dataclass
 class AdoptTimer:
-    """The MLX engine's ``adopt_layer``, timed (the copy into MLX, per layer as it completes)."""
+    """The MLX engine's ``adopt_layer``, timed, per layer as it completes (a copy into MLX
+    unless the layer was received into MLX memory)."""
 
     seconds: float = 0.0
 
@@ -105,6 +108,7 @@ class _Ingest:
     assembler: KVAssembler
     started_s: float
     started_cpu_s: float
+    started_faults: int
     adopter: AdoptTimer
     feed_s: float = 0.0
     first_token: int | None = None  # from KV_END, when the sender put it there
@@ -116,16 +120,24 @@ class KVSink:
 
     The local fingerprint is taken from the first begin (this receiver serves
     whichever model the sender has; a decode node would check its own). Like
-    the decode node's HandoffReceiver, buffers come from one pool and raw chunk
-    bodies are decrypted in place (``body_destination`` is the links' body sink),
-    and each whole layer is adopted into MLX while the next ones arrive.
+    the decode node's HandoffReceiver on the MLX engine, layer buffers are MLX
+    arrays' memory (``make_buffer``), raw chunk bodies are decrypted in place
+    (``body_destination`` is the links' body sink), and each whole layer is
+    adopted as MLX arrays while the next ones arrive.
     """
 
+    make_buffer: Callable[[tuple[int, ...], Any], Any]
     codecs: Mapping[str, Any] = field(default_factory=builtin_codecs)
     ingests: dict[str, _Ingest] = field(default_factory=dict)
     pool: BufferPool = field(default_factory=BufferPool)
+    scratch: bytearray = field(default_factory=bytearray)
 
     def body_destination(self, frame_type: FrameType, header: dict, n_bytes: int) -> Any:
+        if header.get("bytes_only"):
+            # Link bytes are counted, not kept: one warm buffer, as the KV path's are warm.
+            if len(self.scratch) < n_bytes:
+                self.scratch = bytearray(n_bytes)
+            return memoryview(self.scratch)[:n_bytes]
         ingest = self.ingests.get(str(header.get("handoff_id")))
         if frame_type is not FrameType.KV_CHUNK or ingest is None:
             return None
@@ -142,8 +154,16 @@ class KVSink:
         if ingest is None:
             fingerprint = HandoffHeader.from_message(message).fingerprint
             timer = AdoptTimer()
-            assembler = KVAssembler(fingerprint, self.codecs, pool=self.pool, adopt=timer.adopt)
-            ingest = _Ingest(assembler, time.perf_counter(), time.process_time(), timer)
+            assembler = KVAssembler(
+                fingerprint,
+                self.codecs,
+                pool=self.pool,
+                adopt=timer.adopt,
+                make_buffer=self.make_buffer,
+            )
+            ingest = _Ingest(
+                assembler, time.perf_counter(), time.process_time(), page_faults(), timer
+            )
             self.ingests[handoff_id] = ingest
         start = time.perf_counter()
         state = ingest.assembler.feed(message)
@@ -161,9 +181,15 @@ class KVSink:
             "complete_s": elapsed,
             "receive_s": time.perf_counter() - ingest.started_s,
             "started_cpu_s": ingest.started_cpu_s,
+            "started_faults": ingest.started_faults,
             "first_token": first,
         }
         return handoff_id, state, phases
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far: fresh memory costs ~2 ms per MiB here."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def to_mlx(cache: CacheState) -> list[tuple[Any, Any]]:
@@ -207,6 +233,7 @@ async def _serve_kv_link(link: Link, sink: KVSink) -> None:
         to_mlx(state.cache)
         phases["mlx_s"] = time.perf_counter() - start
         phases["cpu_s"] = time.process_time() - phases.pop("started_cpu_s")
+        phases["faults"] = page_faults() - phases.pop("started_faults")
         del state, done  # the numpy buffers go back to the pool, as after engine.decode
         await link.send(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
 
@@ -247,10 +274,13 @@ def _recv_into(conn: socket.socket, view: memoryview) -> bool:
 
 def receiver_main(port_q: Any) -> None:
     """Entry point of the receiving process (raw TCP listener + link server)."""
+    import mlx.core as mx
+
     kv_convert.keep_freed_buffers(EngineConfig().kv_memory_bytes)  # as MlxEngine.start does
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=_raw_server, args=(listener,), daemon=True).start()
-    sink = KVSink()
+    stream = mx.new_stream(mx.cpu)  # as MlxEngine.kv_buffer: K/V land in MLX memory
+    sink = KVSink(lambda shape, dtype: kv_convert.kv_buffer(shape, dtype, stream))
 
     async def main() -> None:
         server = await serve_links(
@@ -427,7 +457,7 @@ async def handoff_once(
     peer: Peer, name: str, lanes: int, header: HandoffHeader, cache: CacheState, codec: str = "none"
 ) -> HandoffTiming:
     links = await peer.ensure_links(lanes)
-    start, start_cpu = time.perf_counter(), time.process_time()
+    start, start_cpu, start_faults = time.perf_counter(), time.process_time(), page_faults()
     sender = HandoffSender(new_strategy(name, codec, lanes), links)
     await sender.start(header)
     for index, layer in enumerate(cache.layers):
@@ -437,6 +467,7 @@ async def handoff_once(
     if ack.get("handoff_id") != header.handoff_id:
         raise RuntimeError(f"ack for {ack.get('handoff_id')}, expected {header.handoff_id}")
     elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    ack["sender_faults"] = page_faults() - start_faults
     return HandoffTiming(elapsed, sender.plan_s, cpu_s, ack)
 
 
@@ -510,11 +541,14 @@ async def measure_case(
                 "plan_s": timing.plan_s,
                 "sender_cpu_s": timing.cpu_s,
                 **{k: float(v) for k, v in timing.receiver.items() if k.endswith("_s")},
+                "send_faults": timing.receiver["sender_faults"],
+                "recv_faults": timing.receiver["faults"],
             }
             samples.add(path.label, timing.total_s, raw_s, phases)
     return cache.nbytes, samples
 
 
+FAULT_KEYS = ("send_faults", "recv_faults")
 PHASE_KEYS = (
     "plan_s",
     "feed_s",
@@ -549,6 +583,7 @@ def result_rows(
                 [dtype, size_mib, label]
                 + [round(1000 * median_phase(phases, key), 1) for key in PHASE_KEYS]
                 + [round(1000 * statistics.median(seconds), 1)]
+                + [round(median_phase(phases, key)) for key in FAULT_KEYS]
             )
     return rows, phase_rows
 
@@ -610,7 +645,8 @@ def main() -> None:
         table(
             "Phase times, ms (median): sender strategy CPU; receiver assembler feed "
             "(all frames), of which per-layer mx.array, last feed, final mx.eval; receiver "
-            "first-to-last frame; CPU of the sender and receiver processes",
+            "first-to-last frame; CPU of the sender and receiver processes; minor page faults "
+            "per handoff",
             [
                 "dtype",
                 "MiB",
@@ -624,6 +660,8 @@ def main() -> None:
                 "send CPU",
                 "recv CPU",
                 "total",
+                "send faults",
+                "recv faults",
             ],
             out["phase_rows"],
         ),

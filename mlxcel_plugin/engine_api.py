@@ -154,11 +154,19 @@ PrefillDone = Callable[[PrefillResult | Exception], None]
 # A received (numpy) layer in, the same layer in the engine's own arrays out; see
 # ``Engine.adopt_layer``.
 LayerAdopter = Callable[[CacheLayer], CacheLayer]
+# (shape, numpy storage dtype) -> a writable C-contiguous numpy view of fresh engine memory;
+# see ``Engine.kv_buffer``.
+KVBufferMaker = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 def layer_adopter(engine: object) -> LayerAdopter | None:
     """The engine's ``adopt_layer``, or None for an engine that decodes from numpy as is."""
     return getattr(engine, "adopt_layer", None)
+
+
+def kv_buffer_maker(engine: object) -> KVBufferMaker | None:
+    """The engine's ``kv_buffer``, or None: received K/V then lands in pooled numpy buffers."""
+    return getattr(engine, "kv_buffer", None)
 
 
 class Engine(Protocol):
@@ -171,6 +179,12 @@ class Engine(Protocol):
     copy and the receive buffers are reused after one layer. It must touch no
     engine state; raising fails that handoff only. Without it, ``decode`` gets
     numpy layers.
+
+    Optional, found by ``kv_buffer_maker``: ``kv_buffer(shape, dtype) ->
+    np.ndarray``, a numpy view of a fresh array in the engine's own memory. The
+    decode node then receives K/V straight into it (the link decrypts into the
+    view) and ``adopt_layer`` hands back the engine array without a copy. Same
+    threading rules as ``adopt_layer``.
     """
 
     info: ModelInfo

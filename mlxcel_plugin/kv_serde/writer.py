@@ -33,7 +33,9 @@ RECORD_BYTES = 8 * MIB  # the link's plaintext record bound
 # Room for the frame's type byte and msgpack header (a chunk header is < 1 KiB).
 FRAME_HEADROOM_BYTES = 64 * 1024
 DEFAULT_MAX_BODY_BYTES = RECORD_BYTES - FRAME_HEADROOM_BYTES
-DEFAULT_CHUNK_BYTES = 4 * MIB
+# As large as a record allows: every chunk costs both ends a frame's bookkeeping, and a
+# tensor just over 4 MiB no longer leaves a small second chunk behind.
+DEFAULT_CHUNK_BYTES = DEFAULT_MAX_BODY_BYTES
 
 
 class KVWriter:

@@ -18,7 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel_plugin.engine_api import FINISH_ERROR, Engine, TokenEvent, layer_adopter
+from mlxcel_plugin.engine_api import (
+    FINISH_ERROR,
+    Engine,
+    TokenEvent,
+    kv_buffer_maker,
+    layer_adopter,
+)
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.frames import (
@@ -87,7 +93,8 @@ class DecodeNode:
         self.scheduler = DecodeScheduler(parts.scheduler_config)
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
         self.receiver = HandoffReceiver(self.fingerprint, parts.codecs, self._admit_begin,
-                                        adopt=layer_adopter(self.engine))
+                                        adopt=layer_adopter(self.engine),
+                                        make_buffer=kv_buffer_maker(self.engine))
         self.claims: dict[str, _Claim] = {}
         self.ready: dict[str, _Ready] = {}
         self.live: dict[str, _Live] = {}

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from mlxcel_plugin.engine_api import LayerAdopter
+from mlxcel_plugin.engine_api import KVBufferMaker, LayerAdopter
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.frames import Frame, FrameType
 from mlxcel_plugin.kv_codecs import KVCodec
@@ -78,11 +78,11 @@ Outcome = Completed | Refused | None
 class HandoffReceiver:
     def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec], admit: Admit,
                  limits: AssemblerLimits | None = None, pool: BufferPool | None = None,
-                 adopt: LayerAdopter | None = None):
+                 adopt: LayerAdopter | None = None, make_buffer: KVBufferMaker | None = None):
         self.local, self.codecs, self.admit = local, codecs, admit
         self.limits = limits or AssemblerLimits()
         self.pool = pool or BufferPool()
-        self.adopt = adopt
+        self.adopt, self.make_buffer = adopt, make_buffer
         self.ingests: dict[str, Ingest] = {}  # by handoff_id
 
     @property
@@ -145,7 +145,7 @@ class HandoffReceiver:
             return Refused(request_id, handoff_id, epoch, link, exc, admitted=False)
         assembler = KVAssembler(self.local, self.codecs, self.limits,
                                 expected_request_id=header.request_id, pool=self.pool,
-                                adopt=self.adopt)
+                                adopt=self.adopt, make_buffer=self.make_buffer)
         ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
         self.ingests[handoff_id] = ingest
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -103,6 +105,39 @@ def test_an_adopted_layer_holds_mlx_arrays_and_rebuilds_the_same_cache(dtype):
     assert rebuilt.keys.dtype == dtype and rebuilt.offset == 300
     assert mx.array_equal(rebuilt.keys, cache.keys[..., :300, :]).item()
     assert mx.array_equal(rebuilt.values, cache.values[..., :300, :]).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_a_layer_received_into_kv_buffers_is_adopted_without_a_copy(dtype):
+    cache = filled_kv_cache(dtype)
+    sent = kv_convert.to_cache_layer(cache)
+    stream = mx.new_stream(mx.cpu)
+    keys = kv_convert.kv_buffer(sent.keys.shape, sent.keys.dtype, stream)
+    values = kv_convert.kv_buffer(sent.values.shape, sent.values.dtype, stream)
+    keys[...], values[...] = sent.keys, sent.values  # what the link's decrypt does
+    adopted = kv_convert.adopt_layer(dataclasses.replace(sent, keys=keys, values=values))
+    assert adopted.keys is keys.base.obj and adopted.values is values.base.obj
+    rebuilt = kv_convert.from_cache_layer(adopted)
+    assert rebuilt.keys.dtype == dtype
+    assert mx.array_equal(rebuilt.keys, cache.keys[..., :300, :]).item()
+    assert mx.array_equal(rebuilt.values, cache.values[..., :300, :]).item()
+    values[0, 0, 0, 0] = 0  # the same memory: MLX sees a write into the buffer
+    assert np.array(adopted.values)[0, 0, 0, 0] == 0
+
+
+def test_a_view_of_part_of_a_kv_buffer_is_copied_not_taken_whole():
+    whole = kv_convert.kv_buffer((1, 2, 8, 4), np.dtype(np.float32), mx.new_stream(mx.cpu))
+    whole[...] = np.arange(whole.size, dtype=np.float32).reshape(whole.shape)
+    part = whole[:, :, :3]
+    layer = CacheLayer("KVCache", part, part, "float32", 3)
+    adopted = kv_convert.adopt_layer(layer)
+    assert adopted.keys.shape == (1, 2, 3, 4)
+    assert np.array_equal(np.array(adopted.keys), part)
+
+
+def test_kv_buffer_refuses_a_dtype_mlx_cannot_hold_as_kv():
+    with pytest.raises(HandoffError, match="storage dtype"):
+        kv_convert.kv_buffer((1, 1, 1, 4), np.dtype(np.int64), mx.new_stream(mx.cpu))
 
 
 def _fingerprint(dtype: mx.Dtype) -> dict:

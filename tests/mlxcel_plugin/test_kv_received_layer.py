@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mlxcel_plugin.engine_api import CacheLayer, layer_adopter
+from mlxcel_plugin.engine_api import CacheLayer, kv_buffer_maker, layer_adopter
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import AdoptFailed, BufferPool, KVAssembler, SerializableCacheState
 from mlxcel_plugin.kv_serde.checksum import crc32
@@ -108,6 +108,76 @@ def test_an_adopter_failure_fails_the_handoff_with_a_named_error():
             assembler.feed(message)
     assert failure.value.code == "handoff_adopt_failed"
     assert assembler.allocated_bytes == 0
+
+
+@dataclasses.dataclass
+class EngineMemory:
+    """Stands in for an engine's kv_buffer: hands out (and records) arrays it owns."""
+
+    made: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        self.made.append(np.empty(shape, dtype=dtype))
+        return self.made[-1]
+
+
+def test_layers_are_received_into_the_engines_buffers():
+    messages, cache = handoff()
+    memory, adopter, pool = EngineMemory(), CopyingAdopter(), BufferPool()
+    assembler = KVAssembler(FP, CODECS, pool=pool, adopt=adopter, make_buffer=memory)
+    result = [r for r in map(assembler.feed, messages) if r is not None][0]
+    assert len(memory.made) == 2 * FP.num_layers and pool.held_bytes == 0
+    for seen in adopter.seen:
+        assert any(seen.keys is made for made in memory.made)
+        assert any(seen.values is made for made in memory.made)
+    assert_caches_equal(result.cache, cache)
+
+
+@pytest.mark.parametrize(
+    "make_buffer",
+    [
+        lambda shape, dtype: np.empty(shape[:-1], dtype=dtype),  # wrong shape
+        lambda shape, dtype: np.empty(shape, dtype=np.float32),  # wrong dtype
+        lambda shape, dtype: np.empty(shape[:-1] + (2 * shape[-1],), dtype=dtype)[..., ::2],
+        lambda shape, dtype: np.broadcast_to(np.zeros(1, dtype=dtype), shape),  # read-only
+    ],
+    ids=["shape", "dtype", "strided", "read-only"],
+)
+def test_an_unusable_engine_buffer_fails_the_handoff_with_a_named_error(make_buffer):
+    messages, _ = handoff()
+    assembler = KVAssembler(FP, CODECS, make_buffer=make_buffer)
+    with pytest.raises(AdoptFailed, match="receive buffer"):
+        for message in messages:
+            assembler.feed(message)
+    assert assembler.allocated_bytes == 0
+
+
+def test_an_engine_out_of_receive_memory_fails_only_that_handoff():
+    messages, cache = handoff()
+
+    def no_memory(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        raise MemoryError("no room")
+
+    starved = KVAssembler(FP, CODECS, make_buffer=no_memory)
+    with pytest.raises(AdoptFailed, match="MemoryError"):
+        for message in messages:
+            starved.feed(message)
+    healthy = KVAssembler(FP, CODECS, make_buffer=EngineMemory())
+    result = [r for r in map(healthy.feed, messages) if r is not None][0]
+    assert_caches_equal(result.cache, cache)
+
+
+def test_engines_without_kv_buffer_get_none():
+    class NumpyEngine:
+        pass
+
+    class MemoryEngine:
+        def kv_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            return np.empty(shape, dtype=dtype)
+
+    assert kv_buffer_maker(NumpyEngine()) is None
+    engine = MemoryEngine()
+    assert kv_buffer_maker(engine) == engine.kv_buffer
 
 
 def test_engines_without_adopt_layer_get_none():

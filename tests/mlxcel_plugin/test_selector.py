@@ -31,7 +31,7 @@ class FakeClock:
 def test_config_defaults_leave_the_choice_to_the_selector():
     config = TransferConfig()
     assert (config.strategy, config.codec, config.parallelism) == ("auto", "auto", 1)
-    assert config.chunk_bytes == 4 << 20 and not config.allow_lossy
+    assert config.chunk_bytes == (8 << 20) - (64 << 10) and not config.allow_lossy
 
 
 def test_config_from_dict_round_trips_and_refuses_unknown_keys():
