@@ -55,6 +55,7 @@ from mlxcel_plugin.kv_serde import (
     KVAssembler,
     KVMessage,
     ModelFingerprint,
+    ReceiveMemory,
     SerializableCacheState,
 )
 from mlxcel_plugin.link import Link, LinkConfig
@@ -157,9 +158,8 @@ class KVSink:
             assembler = KVAssembler(
                 fingerprint,
                 self.codecs,
-                pool=self.pool,
+                memory=ReceiveMemory(self.pool, self.make_buffer),
                 adopt=timer.adopt,
-                make_buffer=self.make_buffer,
             )
             ingest = _Ingest(
                 assembler, time.perf_counter(), time.process_time(), page_faults(), timer

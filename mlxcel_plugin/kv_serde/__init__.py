@@ -37,6 +37,7 @@ from mlxcel_plugin.kv_serde.messages import (
     make_ack,
 )
 from mlxcel_plugin.kv_serde.pool import DEFAULT_POOL_BYTES, BufferPool
+from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import (
     DEFAULT_CHUNK_BYTES,
@@ -71,6 +72,7 @@ __all__ = [
     "MalformedHandoff",
     "ModelFingerprint",
     "OversizeDeclared",
+    "ReceiveMemory",
     "RequestMismatch",
     "SerializableCacheState",
     "SerializableSamplingState",

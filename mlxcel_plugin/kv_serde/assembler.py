@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel_plugin.engine_api import CacheState, KVBufferMaker, LayerAdopter
+from mlxcel_plugin.engine_api import CacheState, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import (
     CorruptChunk,
@@ -30,7 +30,6 @@ from mlxcel_plugin.kv_codecs import (
     storage_dtype,
 )
 from mlxcel_plugin.kv_serde.errors import (
-    AdoptFailed,
     ChecksumMismatch,
     LayerCountMismatch,
     MalformedHandoff,
@@ -48,7 +47,7 @@ from mlxcel_plugin.kv_serde.messages import (
     KVMessage,
     LayerDescriptor,
 )
-from mlxcel_plugin.kv_serde.pool import BufferPool
+from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
@@ -82,18 +81,16 @@ class KVAssembler:
         *,
         min_epoch: int = 0,
         expected_request_id: str | None = None,
-        pool: BufferPool | None = None,
+        memory: ReceiveMemory | None = None,
         adopt: LayerAdopter | None = None,
-        make_buffer: KVBufferMaker | None = None,
     ):
         self.local = local
         self.codecs = codecs
         self.limits = limits or AssemblerLimits()
         self.min_epoch = min_epoch
         self.expected_request_id = expected_request_id
-        self.pool = pool
+        self.memory = memory or ReceiveMemory()
         self.adopt = adopt
-        self.make_buffer = make_buffer
         self.header: HandoffHeader | None = None
         self.allocated_bytes = 0
         self.received_chunks = 0
@@ -324,39 +321,13 @@ class KVAssembler:
             descriptor=descriptor,
             kind=fp.cache_classes[index],
             dtype=fp.dtype,
-            tensors={t: self._empty(shape, storage_dtype(fp.dtype)) for t in TENSORS},
+            tensors={t: self.memory.take(shape, storage_dtype(fp.dtype)) for t in TENSORS},
             claimed={t: np.zeros(rows, dtype=bool) for t in TENSORS},
             rows_left={t: rows for t in TENSORS},
         )
         self._layers[index] = layer
         self.allocated_bytes += size
         return layer
-
-    def _empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        if self.make_buffer is not None:
-            return self._engine_buffer(shape, dtype)
-        if self.pool is None:
-            return np.empty(shape, dtype=dtype)
-        return self.pool.take_array(shape, dtype)
-
-    def _engine_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A receive buffer in the engine's memory; one the engine cannot give fails the handoff."""
-        try:
-            buffer = self.make_buffer(shape, dtype)
-        except HandoffError:
-            raise
-        except Exception as exc:  # the engine's own failure (say, out of memory)
-            raise AdoptFailed(f"engine could not allocate a receive buffer: {exc!r:.200}") from exc
-        usable = (
-            isinstance(buffer, np.ndarray)
-            and buffer.shape == shape
-            and buffer.dtype == dtype
-            and buffer.flags.c_contiguous
-            and buffer.flags.writeable
-        )
-        if not usable:
-            raise AdoptFailed("engine receive buffer is not a writable contiguous array as asked")
-        return buffer
 
     def _decode_into(self, chunk: ChunkHeader, body: Any, tensor: np.ndarray) -> None:
         fp = self.local

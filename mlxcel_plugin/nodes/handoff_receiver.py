@@ -6,11 +6,13 @@ routed by ``handoff_id``; the begin is checked by ``admit`` (capacity, known
 request, fingerprint) before anything is allocated. Every refusal names its
 code (it goes into the KV_ACK) and frees the partial cache.
 
-Receive buffers come from one ``BufferPool``; ``body_destination`` is the links'
-body sink, so a raw chunk's body is decrypted straight into its place in the
-layer buffer. With the engine's ``adopt`` (``engine_api.layer_adopter``) each
-layer is copied into the engine's arrays as soon as it is whole and verified,
-while the next layers arrive, and its buffers go back to the pool at once.
+Receive buffers are the engine's own memory where it offers ``kv_buffer``
+(``engine_api.kv_buffer_maker``), else come from one ``BufferPool``;
+``body_destination`` is the links' body sink, so a raw chunk's body is
+decrypted straight into its place in the layer buffer. With the engine's
+``adopt`` (``engine_api.layer_adopter``) each layer becomes the engine's arrays
+as soon as it is whole and verified, while the next layers arrive (pooled
+buffers are copied and go back to the pool at once).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mlxcel_plugin.kv_serde import (
     HandoffHeader,
     KVAssembler,
     ModelFingerprint,
+    ReceiveMemory,
     SerializableCacheState,
 )
 from mlxcel_plugin.link import Link
@@ -81,8 +84,8 @@ class HandoffReceiver:
                  adopt: LayerAdopter | None = None, make_buffer: KVBufferMaker | None = None):
         self.local, self.codecs, self.admit = local, codecs, admit
         self.limits = limits or AssemblerLimits()
-        self.pool = pool or BufferPool()
-        self.adopt, self.make_buffer = adopt, make_buffer
+        self.memory = ReceiveMemory(pool or BufferPool(), make_buffer)
+        self.adopt = adopt
         self.ingests: dict[str, Ingest] = {}  # by handoff_id
 
     @property
@@ -144,8 +147,8 @@ class HandoffReceiver:
         except (HandoffError, AtCapacityError) as exc:
             return Refused(request_id, handoff_id, epoch, link, exc, admitted=False)
         assembler = KVAssembler(self.local, self.codecs, self.limits,
-                                expected_request_id=header.request_id, pool=self.pool,
-                                adopt=self.adopt, make_buffer=self.make_buffer)
+                                expected_request_id=header.request_id, memory=self.memory,
+                                adopt=self.adopt)
         ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
         self.ingests[handoff_id] = ingest
         try:

@@ -10,7 +10,13 @@ import pytest
 
 from mlxcel_plugin.engine_api import CacheLayer, kv_buffer_maker, layer_adopter
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
-from mlxcel_plugin.kv_serde import AdoptFailed, BufferPool, KVAssembler, SerializableCacheState
+from mlxcel_plugin.kv_serde import (
+    AdoptFailed,
+    BufferPool,
+    KVAssembler,
+    ReceiveMemory,
+    SerializableCacheState,
+)
 from mlxcel_plugin.kv_serde.checksum import crc32
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
@@ -78,7 +84,7 @@ def test_the_handoff_holds_what_the_adopter_returned():
 def test_receive_buffers_go_back_to_the_pool_once_a_layer_is_adopted():
     messages, _ = handoff()
     pool = BufferPool()
-    assembler = KVAssembler(FP, CODECS, pool=pool, adopt=copy_layer)
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(pool), adopt=copy_layer)
     layer0 = [m for m in messages if m.kind == "begin" or m.header.get("layer") == 0]
     for message in layer0:
         assembler.feed(message)
@@ -124,7 +130,7 @@ class EngineMemory:
 def test_layers_are_received_into_the_engines_buffers():
     messages, cache = handoff()
     memory, adopter, pool = EngineMemory(), CopyingAdopter(), BufferPool()
-    assembler = KVAssembler(FP, CODECS, pool=pool, adopt=adopter, make_buffer=memory)
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(pool, memory), adopt=adopter)
     result = [r for r in map(assembler.feed, messages) if r is not None][0]
     assert len(memory.made) == 2 * FP.num_layers and pool.held_bytes == 0
     for seen in adopter.seen:
@@ -145,7 +151,7 @@ def test_layers_are_received_into_the_engines_buffers():
 )
 def test_an_unusable_engine_buffer_fails_the_handoff_with_a_named_error(make_buffer):
     messages, _ = handoff()
-    assembler = KVAssembler(FP, CODECS, make_buffer=make_buffer)
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffer=make_buffer))
     with pytest.raises(AdoptFailed, match="receive buffer"):
         for message in messages:
             assembler.feed(message)
@@ -158,11 +164,11 @@ def test_an_engine_out_of_receive_memory_fails_only_that_handoff():
     def no_memory(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         raise MemoryError("no room")
 
-    starved = KVAssembler(FP, CODECS, make_buffer=no_memory)
+    starved = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffer=no_memory))
     with pytest.raises(AdoptFailed, match="MemoryError"):
         for message in messages:
             starved.feed(message)
-    healthy = KVAssembler(FP, CODECS, make_buffer=EngineMemory())
+    healthy = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffer=EngineMemory()))
     result = [r for r in map(healthy.feed, messages) if r is not None][0]
     assert_caches_equal(result.cache, cache)
 

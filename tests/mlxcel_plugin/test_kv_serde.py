@@ -27,6 +27,7 @@ from mlxcel_plugin.kv_serde import (
     MalformedHandoff,
     ModelFingerprint,
     OversizeDeclared,
+    ReceiveMemory,
     RequestMismatch,
     SerializableCacheState,
     SerializableSamplingState,
@@ -292,7 +293,7 @@ def feed_in_place(messages, assembler):
 def test_raw_chunks_can_be_written_in_place():
     messages, cache = messages_for()
     pool = BufferPool()
-    result, placed = feed_in_place(messages, KVAssembler(FP, CODECS, pool=pool))
+    result, placed = feed_in_place(messages, KVAssembler(FP, CODECS, memory=ReceiveMemory(pool)))
     assert placed == len(messages) - 2
     assert_caches_equal(result.cache, cache)
     # The layer buffers are the pool's: every array's memory belongs to one of its slabs.
