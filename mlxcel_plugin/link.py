@@ -24,11 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
-import sys
-import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from websockets.asyncio.connection import Connection
@@ -44,21 +40,20 @@ from mlxcel_plugin.frames import (
     frame_size,
 )
 from mlxcel_plugin.handshake import PeerInfo, Session
-from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel
+from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel, BulkPipe
 from mlxcel_plugin.link_records import (
     BATCH_MIN_MINOR,
     BATCH_OVERHEAD_BYTES,
-    BULK_LEN,
-    KIND_BULK,
-    KIND_LAST,
-    KIND_PART,
     BulkBody,
     FrameTooLarge,
     RecordReader,
     batch_record,
+    bulk_record,
     frame_record,
+    part_records,
 )
 from mlxcel_plugin.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
+from mlxcel_plugin.send_budget import ByteBudget
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -108,37 +103,6 @@ class LinkClosed(NodeLostError):
     code = "link_closed"
 
 
-class _ByteBudget:
-    """Bytes queued or in flight; ``acquire`` waits while the budget is spent."""
-
-    def __init__(self, limit: int):
-        self._limit, self.used = limit, 0
-        self._changed = asyncio.Event()
-
-    async def acquire(self, n: int, is_open: Callable[[], bool]) -> None:
-        while is_open() and not self._fits(n):  # ends on release/close
-            self._changed.clear()
-            await self._changed.wait()
-        self.used += n
-
-    def try_acquire(self, n: int) -> bool:
-        if not self._fits(n):
-            return False
-        self.used += n
-        return True
-
-    def _fits(self, n: int) -> bool:
-        # A frame bigger than the whole budget still goes, alone.
-        return not self.used or self.used + n <= self._limit
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        self._changed.set()
-
-    def wake_all(self) -> None:
-        self._changed.set()
-
-
 _CLOSED = object()
 
 
@@ -147,12 +111,13 @@ class Link:
 
     def __init__(self, ws: Connection, session: Session, config: LinkConfig,
                  bulk: BulkChannel | None = None, *, local_role: str = "", local_node_id: str = ""):
-        self._ws, self._session, self._config, self._bulk = ws, session, config, bulk
+        self._ws, self._session, self._config = ws, session, config
+        self._bulk = BulkPipe(bulk, config.bulk_reader_nice) if bulk else None
         self.local_role, self.local_node_id = local_role, local_node_id
         self.remote_address = _format_address(ws.remote_address)
         self.error: ProtocolError | None = None
         self._closed = False
-        self._budget = _ByteBudget(config.send_queue_bytes)
+        self._budget = ByteBudget(config.send_queue_bytes)
         self._outbox: collections.deque[tuple[Frame, int]] = collections.deque()
         self._outbox_ready = asyncio.Event()
         self._drained = asyncio.Event()
@@ -161,12 +126,6 @@ class Link:
         self._inbox: asyncio.Queue[object] = asyncio.Queue(config.recv_queue_frames)
         self._records = RecordReader(config.max_frame_bytes, bulk=bulk is not None,
                                      name=local_node_id)
-        # One thread per direction: bodies are written and read strictly in submission
-        # order, so the writer and reader tasks can queue the next body without waiting.
-        self._bulk_out = ThreadPoolExecutor(1, "mlxcel-bulk-out") if bulk else None
-        self._bulk_in = ThreadPoolExecutor(
-            1, "mlxcel-bulk-in", initializer=_lower_thread_priority,
-            initargs=(config.bulk_reader_nice,)) if bulk else None
         self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
@@ -335,22 +294,10 @@ class Link:
         await asyncio.gather(*(t for t in self._tasks if t is not current),
                              return_exceptions=True)
         if self._bulk is not None:
-            await self._stop_bulk()
+            await self._bulk.stop()
         await self._ws.close(code, reason)
         self._budget.wake_all()
         self._done.set()
-
-    async def _stop_bulk(self) -> None:
-        self._bulk.shutdown()  # wakes worker threads blocked on the socket
-        for executor in (self._bulk_out, self._bulk_in):
-            executor.shutdown(wait=False, cancel_futures=True)
-        # Close the fd only after the threads let go of it, so it cannot be reused under them.
-        await asyncio.to_thread(self._join_bulk_threads)
-        self._bulk.close()
-
-    def _join_bulk_threads(self) -> None:
-        self._bulk_out.shutdown(wait=True)
-        self._bulk_in.shutdown(wait=True)
 
     async def wait_closed(self) -> None:
         await self._done.wait()
@@ -453,20 +400,20 @@ class Link:
         prefix = encode_header(frame.type, frame.header)
         body = frame.body
         if self._bulk is not None and len(body) >= self._config.bulk_threshold_bytes:
-            await self._send_record(bytes([KIND_BULK]) + BULK_LEN.pack(len(body)) + prefix)
+            await self._send_record(bulk_record(len(body), prefix))
             self._start_bulk_write(body, size)
             return True
         limit = self._config.max_record_bytes - 1
         if len(prefix) + len(body) <= limit:
             await self._send_record(frame_record(prefix + bytes(body)))
             return False
-        await self._send_parts(prefix + bytes(body), limit)
+        for record in part_records(prefix + bytes(body), limit):
+            await self._send_record(record)
         return False
 
     def _start_bulk_write(self, body: bytes | bytearray | memoryview, size: int) -> None:
         """Hand the body to the bulk thread; its budget is released once it is on the socket."""
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._bulk_out, self._bulk.write_body, body)
+        future = self._bulk.write(body)
         self._bulk_writes += 1
 
         def written(done: asyncio.Future) -> None:
@@ -480,13 +427,6 @@ class Link:
                 self._drained.set()
 
         future.add_done_callback(written)
-
-    async def _send_parts(self, encoded: bytes, limit: int) -> None:
-        view = memoryview(encoded)
-        for start in range(0, len(view), limit):
-            last = start + limit >= len(view)
-            kind = bytes([KIND_LAST if last else KIND_PART])
-            await self._send_record(kind + view[start:start + limit])
 
     async def _send_record(self, plaintext: bytes) -> None:
         # seal() reuses one buffer; websockets serializes it before send() returns.
@@ -544,11 +484,9 @@ class Link:
 
     def _start_bulk_read(self, bulk: BulkBody) -> asyncio.Future:
         """Queue the body read on the bulk thread; recv() awaits it in frame order."""
-        loop = asyncio.get_running_loop()
         # Read the body even for an unknown frame type, to keep the stream in step.
-        body_read = loop.run_in_executor(self._bulk_in, self._bulk.read_body, bulk.n_bytes,
-                                         self._sink_buffer(bulk))
-        frame: asyncio.Future = loop.create_future()
+        body_read = self._bulk.read(bulk.n_bytes, self._sink_buffer(bulk))
+        frame: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def arrived(done: asyncio.Future) -> None:
             if frame.done():
@@ -590,16 +528,6 @@ class Link:
             self._queue_control(Ping.from_frame(frame).pong())
             return None
         return frame
-
-
-def _lower_thread_priority(nice: int) -> None:
-    """Renice the calling thread (Linux schedules threads as tasks; elsewhere a no-op)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError as exc:
-        logger.debug("cannot renice the bulk reader thread: %s", exc)
 
 
 def _flat_body(frame: Frame) -> Frame:

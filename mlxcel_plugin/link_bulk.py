@@ -20,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import secrets
 import socket
 import struct
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mlxcel_plugin.errors import ProtocolError
@@ -137,6 +140,50 @@ class BulkChannel:
         """Release the socket; call once no thread uses it any more."""
         self.shutdown()
         self._sock.close()
+
+
+class BulkPipe:
+    """A bulk channel driven from an event loop: one worker thread per direction.
+
+    Bodies are written and read strictly in submission order, so the link's
+    writer and reader tasks can queue the next body without waiting for the last.
+    """
+
+    def __init__(self, channel: BulkChannel, reader_nice: int = 0):
+        self.channel = channel
+        self._out = ThreadPoolExecutor(1, "mlxcel-bulk-out")
+        self._in = ThreadPoolExecutor(1, "mlxcel-bulk-in", initializer=_lower_thread_priority,
+                                      initargs=(reader_nice,))
+
+    def write(self, body: bytes | bytearray | memoryview) -> asyncio.Future[None]:
+        return asyncio.get_running_loop().run_in_executor(self._out, self.channel.write_body, body)
+
+    def read(self, n_bytes: int, into: memoryview | None) -> asyncio.Future[bytearray | memoryview]:
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._in, self.channel.read_body, n_bytes, into)
+
+    async def stop(self) -> None:
+        """Fail queued and running transfers, then release the socket."""
+        self.channel.shutdown()  # wakes worker threads blocked on the socket
+        for executor in (self._out, self._in):
+            executor.shutdown(wait=False, cancel_futures=True)
+        # Close the fd only after the threads let go of it, so it cannot be reused under them.
+        await asyncio.to_thread(self._join)
+        self.channel.close()
+
+    def _join(self) -> None:
+        self._out.shutdown(wait=True)
+        self._in.shutdown(wait=True)
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Renice the calling thread (Linux schedules threads as tasks; elsewhere a no-op)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as exc:
+        logger.debug("cannot renice the bulk reader thread: %s", exc)
 
 
 def make_channel(sock: socket.socket, session: Session, chunk_bytes: int,

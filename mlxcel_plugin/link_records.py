@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,19 @@ class FrameTooLarge(ProtocolError):
 
 def frame_record(encoded_frame: bytes | memoryview) -> bytes:
     return b"".join((bytes([KIND_FRAME]), encoded_frame))
+
+
+def bulk_record(body_bytes: int, encoded_header: bytes) -> bytes:
+    """Announces a frame whose ``body_bytes`` of body follow on the bulk channel."""
+    return b"".join((bytes([KIND_BULK]), BULK_LEN.pack(body_bytes), encoded_header))
+
+
+def part_records(encoded_frame: bytes, limit: int) -> Iterator[bytes]:
+    """An encoded frame too big for one record, as PART records and a LAST one."""
+    view = memoryview(encoded_frame)
+    for start in range(0, len(view), limit):
+        kind = KIND_LAST if start + limit >= len(view) else KIND_PART
+        yield b"".join((bytes([kind]), view[start:start + limit]))
 
 
 def batch_record(encoded_frames: list[bytes]) -> bytes:

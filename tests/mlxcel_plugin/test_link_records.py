@@ -16,7 +16,9 @@ from mlxcel_plugin.link_records import (
     MalformedRecord,
     RecordReader,
     batch_record,
+    bulk_record,
     frame_record,
+    part_records,
     split_batch,
 )
 
@@ -38,6 +40,23 @@ def test_a_batch_round_trips_its_frames_in_order():
 def test_a_frame_record_is_the_kind_byte_then_the_frame():
     (frame,) = encoded_results(1)
     assert frame_record(frame) == bytes([KIND_FRAME]) + frame
+
+
+def test_a_bulk_record_is_the_kind_byte_the_body_length_then_the_header():
+    assert bulk_record(3, b"hdr") == bytes([KIND_BULK]) + BULK_LEN.pack(3) + b"hdr"
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_parts_split_a_frame_at_the_limit_and_the_reader_rejoins_them(pieces):
+    frame = encode_frame(Result("r0", 0, list(range(50))).to_frame())
+    limit = -(-len(frame) // pieces)  # the smallest limit that needs ``pieces`` records
+    records = list(part_records(frame, limit))
+    assert len(records) == pieces and all(len(r) <= limit + 1 for r in records)
+    assert [r[0] for r in records] == [KIND_PART] * (pieces - 1) + [KIND_LAST]
+    assert b"".join(r[1:] for r in records) == frame
+    r = reader()
+    got = [item for record in records for item in r.feed(record)]
+    assert len(got) == 1 and Result.from_frame(got[0]).token_ids == list(range(50))
 
 
 @pytest.mark.parametrize("body, why", [
