@@ -18,6 +18,8 @@ from mlxcel_plugin.kv_codecs import (
     resolve_codec,
     to_float32,
 )
+from mlxcel_plugin.kv_codecs.quant import round_down
+from mlxcel_plugin.kv_codecs.rotation import hadamard, rotate, rotation_block
 from mlxcel_plugin.kv_serde import SerializableCacheState
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header, make_tensor
 
@@ -110,7 +112,7 @@ def token_group_half_steps(array, tokens, first_row, group, exact, levels):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("first_row", [0, 5, 64, 150])
 def test_key_groups_run_along_tokens_within_one_head(bits, first_row):
-    codec = GroupQuantCodec(bits, token_group=16)
+    codec = GroupQuantCodec(bits, token_group=16, rotate=False)
     array = heads(rows=64)[first_row : first_row + 100]
     layout = ChunkLayout("k", 64, first_row)
     decoded, _, meta = round_trip(codec, array, "float32", layout)
@@ -144,7 +146,7 @@ def test_the_first_token_of_every_head_travels_exact(tensor, dtype):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_value_error_is_half_a_step_in_float32(bits, head_dim):
-    codec = GroupQuantCodec(bits)
+    codec = GroupQuantCodec(bits, rotate=False)
     array = heads(rows=32, head_dim=head_dim)
     decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("v", 32, 0))
     assert meta["g"] == 64 and "a" not in meta
@@ -430,3 +432,121 @@ def test_refuses_a_scale_kind_that_does_not_match_the_dtype():
     body, meta = codec.encode(chunk("float16"), "float16")
     with pytest.raises(CorruptChunk):
         codec.decode(body, {**meta, "s": "bf16"}, chunk("float16").shape, "float16")
+
+
+def test_hadamard_is_orthonormal_and_its_own_inverse():
+    for size in (2, 16, 64):
+        matrix = hadamard(size)
+        assert np.allclose(matrix @ matrix, np.eye(size), atol=1e-6)
+        assert np.array_equal(matrix, matrix.T)
+    values = heads(rows=4)
+    assert np.allclose(rotate(rotate(values, 64), 64), values, atol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "block"), [(64, 64), (128, 64), (80, 16), (96, 32), (5, 0)])
+def test_rotation_block_is_the_largest_power_of_two_dividing_head_dim(head_dim, block):
+    assert rotation_block(head_dim) == block
+
+
+@pytest.mark.parametrize(("bits", "rotated"), [(8, True), (4, False)])
+@pytest.mark.parametrize("tensor", ["k", "v", None])
+def test_int8_rotates_rows_when_it_knows_the_layout(bits, rotated, tensor):
+    array = heads(rows=32)
+    layout = ChunkLayout(tensor, 32, 0) if tensor else None
+    _, meta = GroupQuantCodec(bits).encode(array, "float32", layout)
+    assert meta.get("h") == (64 if rotated and tensor else None)
+
+
+def test_rotated_values_are_within_half_a_step_of_the_rotated_rows():
+    codec = GroupQuantCodec(8)
+    array = heads(rows=32)
+    decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("v", 32, 0))
+    assert meta["h"] == 64
+    quantized = np.arange(len(array)) % 32 != 0
+    want, got = rotate(array[quantized], 64), rotate(decoded[quantized], 64)
+    step = group_max(want, 64) / codec.qmax
+    assert np.all(np.abs(got - want) <= 0.5 * step * (1 + 1e-4) + 1e-5 * np.abs(want).max())
+
+
+def test_rotated_keys_are_within_half_a_step_of_the_rotated_channel_runs():
+    codec = GroupQuantCodec(8, token_group=16)
+    array = heads(rows=64)[5:105]
+    decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("k", 64, 5))
+    assert meta["h"] == 64
+    want = rotate(array, 64)
+    half = token_group_half_steps(want, 64, 5, 16, 1, codec.levels)
+    exact = (5 + np.arange(len(array))) % 64 == 0
+    error = np.abs(rotate(decoded, 64) - want)[~exact]
+    assert np.all(error <= half[~exact] * (1 + 1e-4) + 1e-5 * np.abs(want).max())
+
+
+def test_rotation_shrinks_the_error_of_value_rows_with_an_outlier_channel():
+    array = heads(rows=256)
+    array[:, 7] *= 30.0  # one loud channel would set the step of every row
+    layout = ChunkLayout("v", 256, 0)
+    rotated, _, _ = round_trip(GroupQuantCodec(8), array, "float32", layout)
+    plain, _, _ = round_trip(GroupQuantCodec(8, rotate=False), array, "float32", layout)
+    assert np.abs(rotated - array).mean() < 0.7 * np.abs(plain - array).mean()
+
+
+def test_keys_go_unrotated_where_rotation_would_break_the_error_bound():
+    codec = GroupQuantCodec(8)
+    array = np.random.default_rng(0).normal(0, 0.01, (8, 64)).astype("<f4")
+    array[1, 0] = 1000.0  # rotated, it would set the step of every channel of token 1's run
+    decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("k", 8, 0))
+    assert "h" not in meta
+    magnitude = np.abs(array)
+    extent = np.maximum(magnitude.max(axis=1, keepdims=True), magnitude.max(axis=0))
+    assert np.all(np.abs(decoded - array) <= codec.profile.relative_error * extent)
+    assert np.abs(decoded[:, 1:] - array[:, 1:]).max() < 1e-3  # quiet channels keep their step
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_float16_rows_near_the_top_of_the_range_go_unrotated(tensor):
+    codec = GroupQuantCodec(8)
+    array = np.full((4, 64), 60000.0, dtype="<f2")
+    array[:, ::3] *= -1
+    decoded, _, meta = round_trip(codec, array, "float16", ChunkLayout(tensor, 4, 0))
+    assert "h" not in meta
+    assert np.all(np.isfinite(decoded.astype("<f4")))
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_chunks_without_rotation_meta_decode_as_before(tensor):
+    array = heads(rows=16, dtype="float16")
+    layout = ChunkLayout(tensor, 16, 0)
+    old = GroupQuantCodec(8, rotate=False)
+    body, meta = old.encode(array, "float16", layout)
+    assert "h" not in meta
+    new = GroupQuantCodec(8).decode(bytes(body), meta, array.shape, "float16")
+    assert new.tobytes() == old.decode(bytes(body), meta, array.shape, "float16").tobytes()
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+@pytest.mark.parametrize("block", [0, 1, 3, 48, 128, "64", True, -64])
+def test_decode_refuses_a_bad_rotation_block(tensor, block):
+    codec = GroupQuantCodec(8)
+    array = chunk("float16", rows=8, head_dim=64)
+    body, meta = codec.encode(array, "float16", ChunkLayout(tensor, 8, 0))
+    with pytest.raises(CorruptChunk):
+        codec.decode(body, {**meta, "h": block}, array.shape, "float16")
+
+
+def test_decode_refuses_a_rotation_block_that_does_not_divide_head_dim():
+    codec = GroupQuantCodec(8)
+    array = chunk("float16", rows=8, head_dim=80)
+    body, meta = codec.encode(array, "float16", ChunkLayout("v", 8, 0))
+    assert meta["h"] == 16
+    with pytest.raises(CorruptChunk):
+        codec.decode(body, {**meta, "h": 32}, array.shape, "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_round_down_gives_the_largest_stored_value_not_above(dtype):
+    values = np.random.default_rng(3).normal(0, 100, 1000).astype("<f4")
+    values = np.append(values, [0.0, -0.0, 1e-30, -1e-30]).astype("<f4")
+    stored = round_down(values, dtype)
+    assert np.all(to_float32(stored, dtype) <= values)
+    nearest = to_float32(from_float32(values, dtype), dtype)
+    below_or_equal = to_float32(stored, dtype)
+    assert np.all((below_or_equal == nearest) | (nearest > values))
