@@ -84,26 +84,29 @@ def keep_freed_buffers(kv_memory_bytes: int) -> int:
     return max(previous, kv_memory_bytes)
 
 
-def kv_buffer(shape: tuple[int, ...], dtype: np.dtype, stream: mx.Stream) -> np.ndarray:
-    """A fresh MLX array's memory as a writable numpy view (what ``adopt_layer`` takes back).
+def kv_buffers(
+    shape: tuple[int, ...], dtype: np.dtype, count: int, stream: mx.Stream
+) -> list[np.ndarray]:
+    """Fresh MLX arrays' memory as writable numpy views (what ``adopt_layer`` takes back).
 
     Why: received K/V decrypted straight into MLX memory skips the copy into
     MLX per layer (256 MiB: ~30 ms copying, ~14 ms zero-filling reused buffers).
-    ``stream`` must not be the engine's: evaluating the fill there would wait
-    for the running decode step.
+    One evaluation for all ``count`` (a layer's K and V): each costs a round
+    trip to the stream's thread. ``stream`` must not be the engine's:
+    evaluating the fill there would wait for the running decode step.
     """
     storage = _MX_STORAGE.get(np.dtype(dtype))
     if storage is None:
         raise HandoffError(f"unsupported KV storage dtype {np.dtype(dtype)}")
-    array = mx.zeros(shape, dtype=storage, stream=stream)
-    mx.eval(array)
-    return np.array(array, copy=False)
+    arrays = [mx.zeros(shape, dtype=storage, stream=stream) for _ in range(count)]
+    mx.eval(arrays)
+    return [np.array(array, copy=False) for array in arrays]
 
 
 def adopt_layer(layer: CacheLayer) -> CacheLayer:
     """The layer with its K/V as MLX arrays (storage dtype: bf16 stays uint16).
 
-    Tensors received into ``kv_buffer`` memory are that MLX array already;
+    Tensors received into ``kv_buffers`` memory are that MLX array already;
     others are copied. Safe off the engine thread: ``mx.array`` of a numpy
     buffer copies at construction and schedules no MLX work; the bf16 view
     waits for ``from_cache_layer`` on the engine thread.
@@ -114,7 +117,7 @@ def adopt_layer(layer: CacheLayer) -> CacheLayer:
 
 
 def _as_mlx(x: np.ndarray | mx.array) -> mx.array:
-    """The MLX array a ``kv_buffer`` view shows, else a copy of ``x`` into MLX."""
+    """The MLX array a ``kv_buffers`` view shows, else a copy of ``x`` into MLX."""
     if isinstance(x, mx.array):
         return x
     owner = x.base.obj if isinstance(x.base, memoryview) else None

@@ -120,7 +120,7 @@ class MlxEngine:
         self._batch = DecodeBatch(model)
         self._tokens_per_s = 0.0
         self._stats = EngineStats(free_kv_fraction=1.0)
-        self._buffer_stream: mx.Stream | None = None  # kv_buffer's own, off the engine stream
+        self._buffer_stream: mx.Stream | None = None  # kv_buffers' own, off the engine stream
 
     @classmethod
     def from_path(cls, model_path: str, config: EngineConfig) -> MlxEngine:
@@ -167,11 +167,11 @@ class MlxEngine:
         """A received layer as MLX arrays, on the caller's thread (engine_api.Engine)."""
         return kv_convert.adopt_layer(layer)
 
-    def kv_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """Receive memory inside MLX, filled on the caller's thread (engine_api.Engine)."""
+    def kv_buffers(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Receive memory inside MLX, for the caller's thread (engine_api.Engine)."""
         if self._buffer_stream is None:
             self._buffer_stream = mx.new_stream(mx.cpu)
-        return kv_convert.kv_buffer(shape, dtype, self._buffer_stream)
+        return kv_convert.kv_buffers(shape, dtype, count, self._buffer_stream)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))

@@ -2,7 +2,7 @@
 
 One handoff = the sender's transfer strategy (KVWriter: slicing + crc32) →
 link frames (AES-256-GCM, bulk channel) → the receiver's KVAssembler (bodies
-decrypted straight into MLX arrays' memory, ``kv_convert.kv_buffer`` + crc32
+decrypted straight into MLX arrays' memory, ``kv_convert.kv_buffers`` + crc32
 check) → ``mx.array`` per layer, as the decode node does it: the MLX engine's
 ``adopt_layer`` as each layer completes, then everything evaluated. The clock
 runs from the strategy's ``start`` to the receiver's KV_ACK, sent once the MLX
@@ -122,12 +122,12 @@ class KVSink:
     The local fingerprint is taken from the first begin (this receiver serves
     whichever model the sender has; a decode node would check its own). Like
     the decode node's HandoffReceiver on the MLX engine, layer buffers are MLX
-    arrays' memory (``make_buffer``), raw chunk bodies are decrypted in place
+    arrays' memory (``make_buffers``), raw chunk bodies are decrypted in place
     (``body_destination`` is the links' body sink), and each whole layer is
     adopted as MLX arrays while the next ones arrive.
     """
 
-    make_buffer: Callable[[tuple[int, ...], Any], Any]
+    make_buffers: Callable[[tuple[int, ...], Any, int], Any]
     codecs: Mapping[str, Any] = field(default_factory=builtin_codecs)
     ingests: dict[str, _Ingest] = field(default_factory=dict)
     pool: BufferPool = field(default_factory=BufferPool)
@@ -158,7 +158,7 @@ class KVSink:
             assembler = KVAssembler(
                 fingerprint,
                 self.codecs,
-                memory=ReceiveMemory(self.pool, self.make_buffer),
+                memory=ReceiveMemory(self.pool, self.make_buffers),
                 adopt=timer.adopt,
             )
             ingest = _Ingest(
@@ -279,8 +279,8 @@ def receiver_main(port_q: Any) -> None:
     kv_convert.keep_freed_buffers(EngineConfig().kv_memory_bytes)  # as MlxEngine.start does
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=_raw_server, args=(listener,), daemon=True).start()
-    stream = mx.new_stream(mx.cpu)  # as MlxEngine.kv_buffer: K/V land in MLX memory
-    sink = KVSink(lambda shape, dtype: kv_convert.kv_buffer(shape, dtype, stream))
+    stream = mx.new_stream(mx.cpu)  # as MlxEngine.kv_buffers: K/V land in MLX memory
+    sink = KVSink(lambda shape, dtype, count: kv_convert.kv_buffers(shape, dtype, count, stream))
 
     async def main() -> None:
         server = await serve_links(

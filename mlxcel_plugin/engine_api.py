@@ -154,9 +154,9 @@ PrefillDone = Callable[[PrefillResult | Exception], None]
 # A received (numpy) layer in, the same layer in the engine's own arrays out; see
 # ``Engine.adopt_layer``.
 LayerAdopter = Callable[[CacheLayer], CacheLayer]
-# (shape, numpy storage dtype) -> a writable C-contiguous numpy view of fresh engine memory;
-# see ``Engine.kv_buffer``.
-KVBufferMaker = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+# (shape, numpy storage dtype, count) -> ``count`` writable C-contiguous numpy views of
+# fresh engine memory; see ``Engine.kv_buffers``.
+KVBufferMaker = Callable[[tuple[int, ...], np.dtype, int], list[np.ndarray]]
 
 
 def layer_adopter(engine: object) -> LayerAdopter | None:
@@ -165,8 +165,8 @@ def layer_adopter(engine: object) -> LayerAdopter | None:
 
 
 def kv_buffer_maker(engine: object) -> KVBufferMaker | None:
-    """The engine's ``kv_buffer``, or None: received K/V then lands in pooled numpy buffers."""
-    return getattr(engine, "kv_buffer", None)
+    """The engine's ``kv_buffers``, or None: received K/V then lands in pooled numpy buffers."""
+    return getattr(engine, "kv_buffers", None)
 
 
 class Engine(Protocol):
@@ -180,11 +180,12 @@ class Engine(Protocol):
     engine state; raising fails that handoff only. Without it, ``decode`` gets
     numpy layers.
 
-    Optional, found by ``kv_buffer_maker``: ``kv_buffer(shape, dtype) ->
-    np.ndarray``, a numpy view of a fresh array in the engine's own memory. The
-    decode node then receives K/V straight into it (the link decrypts into the
-    view) and ``adopt_layer`` hands back the engine array without a copy. Same
-    threading rules as ``adopt_layer``.
+    Optional, found by ``kv_buffer_maker``: ``kv_buffers(shape, dtype, count) ->
+    list[np.ndarray]``, numpy views of ``count`` fresh arrays in the engine's
+    own memory (a layer's K and V at once). The decode node then receives K/V
+    straight into them (the link decrypts into the views) and ``adopt_layer``
+    hands back the engine arrays without a copy. Same threading rules as
+    ``adopt_layer``.
     """
 
     info: ModelInfo

@@ -317,11 +317,12 @@ class KVAssembler:
             raise OversizeDeclared(f"layer {index} would exceed the byte budget")
         shape = (1, fp.kv_heads, descriptor.tokens, fp.head_dim)
         rows = fp.kv_heads * descriptor.tokens
+        buffers = self.memory.take(shape, storage_dtype(fp.dtype), len(TENSORS))
         layer = ReceivedLayer(
             descriptor=descriptor,
             kind=fp.cache_classes[index],
             dtype=fp.dtype,
-            tensors={t: self.memory.take(shape, storage_dtype(fp.dtype)) for t in TENSORS},
+            tensors=dict(zip(TENSORS, buffers, strict=True)),
             claimed={t: np.zeros(rows, dtype=bool) for t in TENSORS},
             rows_left={t: rows for t in TENSORS},
         )

@@ -1,6 +1,6 @@
 """Where a handoff's layer buffers come from: the engine's memory, a reused pool, or fresh.
 
-In order of preference: the engine's ``kv_buffer`` (received bytes land where
+In order of preference: the engine's ``kv_buffers`` (received bytes land where
 the engine reads them, no copy at adoption), else a ``BufferPool`` (warm pages
 reused across handoffs), else plain ``np.empty``. A buffer the engine cannot
 give, or gives in the wrong form, fails that handoff with a named error.
@@ -21,30 +21,35 @@ from mlxcel_plugin.kv_serde.pool import BufferPool
 @dataclass(frozen=True)
 class ReceiveMemory:
     pool: BufferPool | None = None
-    make_buffer: KVBufferMaker | None = None
+    make_buffers: KVBufferMaker | None = None
 
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A writable C-contiguous array of ``shape`` and ``dtype`` (contents undefined)."""
-        if self.make_buffer is not None:
-            return self._engine_buffer(shape, dtype)
+    def take(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """``count`` writable C-contiguous arrays of ``shape`` and ``dtype``, contents undefined."""
+        if self.make_buffers is not None:
+            return self._engine_buffers(shape, dtype, count)
         if self.pool is None:
-            return np.empty(shape, dtype=dtype)
-        return self.pool.take_array(shape, dtype)
+            return [np.empty(shape, dtype=dtype) for _ in range(count)]
+        return [self.pool.take_array(shape, dtype) for _ in range(count)]
 
-    def _engine_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def _engine_buffers(
+        self, shape: tuple[int, ...], dtype: np.dtype, count: int
+    ) -> list[np.ndarray]:
         try:
-            buffer = self.make_buffer(shape, dtype)
+            buffers = list(self.make_buffers(shape, dtype, count))
         except HandoffError:
             raise
         except Exception as exc:  # the engine's own failure (say, out of memory)
             raise AdoptFailed(f"engine could not allocate a receive buffer: {exc!r:.200}") from exc
-        usable = (
-            isinstance(buffer, np.ndarray)
-            and buffer.shape == shape
-            and buffer.dtype == dtype
-            and buffer.flags.c_contiguous
-            and buffer.flags.writeable
-        )
-        if not usable:
+        if len(buffers) != count or not all(_usable(b, shape, dtype) for b in buffers):
             raise AdoptFailed("engine receive buffer is not a writable contiguous array as asked")
-        return buffer
+        return buffers
+
+
+def _usable(buffer: object, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    return (
+        isinstance(buffer, np.ndarray)
+        and buffer.shape == shape
+        and buffer.dtype == dtype
+        and buffer.flags.c_contiguous
+        and buffer.flags.writeable
+    )

@@ -94,7 +94,7 @@ class DecodeNode:
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
         self.receiver = HandoffReceiver(self.fingerprint, parts.codecs, self._admit_begin,
                                         adopt=layer_adopter(self.engine),
-                                        make_buffer=kv_buffer_maker(self.engine))
+                                        make_buffers=kv_buffer_maker(self.engine))
         self.claims: dict[str, _Claim] = {}
         self.ready: dict[str, _Ready] = {}
         self.live: dict[str, _Live] = {}

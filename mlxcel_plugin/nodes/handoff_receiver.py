@@ -6,7 +6,7 @@ routed by ``handoff_id``; the begin is checked by ``admit`` (capacity, known
 request, fingerprint) before anything is allocated. Every refusal names its
 code (it goes into the KV_ACK) and frees the partial cache.
 
-Receive buffers are the engine's own memory where it offers ``kv_buffer``
+Receive buffers are the engine's own memory where it offers ``kv_buffers``
 (``engine_api.kv_buffer_maker``), else come from one ``BufferPool``;
 ``body_destination`` is the links' body sink, so a raw chunk's body is
 decrypted straight into its place in the layer buffer. With the engine's
@@ -81,10 +81,10 @@ Outcome = Completed | Refused | None
 class HandoffReceiver:
     def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec], admit: Admit,
                  limits: AssemblerLimits | None = None, pool: BufferPool | None = None,
-                 adopt: LayerAdopter | None = None, make_buffer: KVBufferMaker | None = None):
+                 adopt: LayerAdopter | None = None, make_buffers: KVBufferMaker | None = None):
         self.local, self.codecs, self.admit = local, codecs, admit
         self.limits = limits or AssemblerLimits()
-        self.memory = ReceiveMemory(pool or BufferPool(), make_buffer)
+        self.memory = ReceiveMemory(pool or BufferPool(), make_buffers)
         self.adopt = adopt
         self.ingests: dict[str, Ingest] = {}  # by handoff_id
 

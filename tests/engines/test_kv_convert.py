@@ -112,8 +112,7 @@ def test_a_layer_received_into_kv_buffers_is_adopted_without_a_copy(dtype):
     cache = filled_kv_cache(dtype)
     sent = kv_convert.to_cache_layer(cache)
     stream = mx.new_stream(mx.cpu)
-    keys = kv_convert.kv_buffer(sent.keys.shape, sent.keys.dtype, stream)
-    values = kv_convert.kv_buffer(sent.values.shape, sent.values.dtype, stream)
+    keys, values = kv_convert.kv_buffers(sent.keys.shape, sent.keys.dtype, 2, stream)
     keys[...], values[...] = sent.keys, sent.values  # what the link's decrypt does
     adopted = kv_convert.adopt_layer(dataclasses.replace(sent, keys=keys, values=values))
     assert adopted.keys is keys.base.obj and adopted.values is values.base.obj
@@ -126,7 +125,7 @@ def test_a_layer_received_into_kv_buffers_is_adopted_without_a_copy(dtype):
 
 
 def test_a_view_of_part_of_a_kv_buffer_is_copied_not_taken_whole():
-    whole = kv_convert.kv_buffer((1, 2, 8, 4), np.dtype(np.float32), mx.new_stream(mx.cpu))
+    (whole,) = kv_convert.kv_buffers((1, 2, 8, 4), np.dtype(np.float32), 1, mx.new_stream(mx.cpu))
     whole[...] = np.arange(whole.size, dtype=np.float32).reshape(whole.shape)
     part = whole[:, :, :3]
     layer = CacheLayer("KVCache", part, part, "float32", 3)
@@ -135,9 +134,9 @@ def test_a_view_of_part_of_a_kv_buffer_is_copied_not_taken_whole():
     assert np.array_equal(np.array(adopted.keys), part)
 
 
-def test_kv_buffer_refuses_a_dtype_mlx_cannot_hold_as_kv():
+def test_kv_buffers_refuses_a_dtype_mlx_cannot_hold_as_kv():
     with pytest.raises(HandoffError, match="storage dtype"):
-        kv_convert.kv_buffer((1, 1, 1, 4), np.dtype(np.int64), mx.new_stream(mx.cpu))
+        kv_convert.kv_buffers((1, 1, 1, 4), np.dtype(np.int64), 1, mx.new_stream(mx.cpu))
 
 
 def _fingerprint(dtype: mx.Dtype) -> dict:

@@ -118,13 +118,13 @@ def test_an_adopter_failure_fails_the_handoff_with_a_named_error():
 
 @dataclasses.dataclass
 class EngineMemory:
-    """Stands in for an engine's kv_buffer: hands out (and records) arrays it owns."""
+    """Stands in for an engine's kv_buffers: hands out (and records) arrays it owns."""
 
     made: list[np.ndarray] = dataclasses.field(default_factory=list)
 
-    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        self.made.append(np.empty(shape, dtype=dtype))
-        return self.made[-1]
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
+        self.made += [np.empty(shape, dtype=dtype) for _ in range(count)]
+        return self.made[-count:]
 
 
 def test_layers_are_received_into_the_engines_buffers():
@@ -140,18 +140,23 @@ def test_layers_are_received_into_the_engines_buffers():
 
 
 @pytest.mark.parametrize(
-    "make_buffer",
+    "make_one",
     [
         lambda shape, dtype: np.empty(shape[:-1], dtype=dtype),  # wrong shape
         lambda shape, dtype: np.empty(shape, dtype=np.float32),  # wrong dtype
         lambda shape, dtype: np.empty(shape[:-1] + (2 * shape[-1],), dtype=dtype)[..., ::2],
         lambda shape, dtype: np.broadcast_to(np.zeros(1, dtype=dtype), shape),  # read-only
+        lambda shape, dtype: None,  # too few
     ],
-    ids=["shape", "dtype", "strided", "read-only"],
+    ids=["shape", "dtype", "strided", "read-only", "count"],
 )
-def test_an_unusable_engine_buffer_fails_the_handoff_with_a_named_error(make_buffer):
+def test_an_unusable_engine_buffer_fails_the_handoff_with_a_named_error(make_one):
+    def make_buffers(shape, dtype, count):
+        made = [make_one(shape, dtype) for _ in range(count)]
+        return [b for b in made if b is not None]
+
     messages, _ = handoff()
-    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffer=make_buffer))
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffers=make_buffers))
     with pytest.raises(AdoptFailed, match="receive buffer"):
         for message in messages:
             assembler.feed(message)
@@ -161,29 +166,29 @@ def test_an_unusable_engine_buffer_fails_the_handoff_with_a_named_error(make_buf
 def test_an_engine_out_of_receive_memory_fails_only_that_handoff():
     messages, cache = handoff()
 
-    def no_memory(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def no_memory(shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         raise MemoryError("no room")
 
-    starved = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffer=no_memory))
+    starved = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffers=no_memory))
     with pytest.raises(AdoptFailed, match="MemoryError"):
         for message in messages:
             starved.feed(message)
-    healthy = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffer=EngineMemory()))
+    healthy = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffers=EngineMemory()))
     result = [r for r in map(healthy.feed, messages) if r is not None][0]
     assert_caches_equal(result.cache, cache)
 
 
-def test_engines_without_kv_buffer_get_none():
+def test_engines_without_kv_buffers_get_none():
     class NumpyEngine:
         pass
 
     class MemoryEngine:
-        def kv_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            return np.empty(shape, dtype=dtype)
+        def kv_buffers(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list:
+            return [np.empty(shape, dtype=dtype) for _ in range(count)]
 
     assert kv_buffer_maker(NumpyEngine()) is None
     engine = MemoryEngine()
-    assert kv_buffer_maker(engine) == engine.kv_buffer
+    assert kv_buffer_maker(engine) == engine.kv_buffers
 
 
 def test_engines_without_adopt_layer_get_none():
