@@ -22,10 +22,12 @@ reproducible, alone or batched; ``cancel`` ends a live request with
 ``cancelled`` and frees its memory; ``close`` cancels what is pending;
 ``prefill`` calls ``on_layer`` once per layer and returns a ``PrefillResult``
 whose cache matches ``info.fingerprint`` and survives the KV wire format;
-decoding that cache (on another engine) continues the single-node stream
-token for token; a bad request fails alone; ``stats`` stay in range and fall
-back to idle. Prompts are drawn from ``info.vocab_size``, so any model works;
-greedy parity needs a deterministic engine, which every engine must be.
+decoding that cache (on another engine, received into its ``kv_buffers`` and
+``adopt_layer`` where it has them) continues the single-node stream token for
+token; ``kv_buffers``, where offered, are writable, separate engine memory;
+a bad request fails alone; ``stats`` stay in range and fall back to idle.
+Prompts are drawn from ``info.vocab_size``, so any model works; greedy parity
+needs a deterministic engine, which every engine must be.
 """
 
 from __future__ import annotations
@@ -52,12 +54,16 @@ from mlxcel_plugin.engine_api import (
     PrefillResult,
     SamplingParams,
     TokenEvent,
+    kv_buffer_maker,
+    layer_adopter,
 )
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.kv_codecs import WIRE_DTYPES, builtin_codecs
 from mlxcel_plugin.kv_serde import (
     HandoffHeader,
+    KVAssembler,
     ModelFingerprint,
+    ReceiveMemory,
     SerializableSamplingState,
     assemble_messages,
 )
@@ -241,8 +247,14 @@ def check_layer_tensor(
     assert held_ok, f"layer {index}: {tokens} positions held for offset {layer.offset}"
 
 
-def through_the_wire(result: PrefillResult, info: ModelInfo) -> CacheState:
-    """The cache as a decode node receives it: serialized, then assembled and checked."""
+def through_the_wire(
+    result: PrefillResult, info: ModelInfo, receiver: Engine | None = None
+) -> CacheState:
+    """The cache as a decode node receives it: serialized, then assembled and checked.
+
+    With ``receiver`` (the decode engine), as a decode node does it: into that
+    engine's memory (``kv_buffers``) and arrays (``adopt_layer``) where it offers them.
+    """
     fingerprint = ModelFingerprint.from_dict(info.fingerprint)
     request = result.request
     header = HandoffHeader(
@@ -255,7 +267,14 @@ def through_the_wire(result: PrefillResult, info: ModelInfo) -> CacheState:
         sampling=SerializableSamplingState.from_request(request),
     )
     messages = plan_transfer(FullTransfer(StrategyOptions()), header, result.cache)
-    return assemble_messages(messages, fingerprint, builtin_codecs()).cache
+    if receiver is None:
+        return assemble_messages(messages, fingerprint, builtin_codecs()).cache
+    memory = ReceiveMemory(make_buffers=kv_buffer_maker(receiver))
+    assembler = KVAssembler(fingerprint, builtin_codecs(), memory=memory,
+                            adopt=layer_adopter(receiver))
+    states = [state for state in map(assembler.feed, messages) if state is not None]
+    assert len(states) == 1, "the handoff did not complete exactly once"
+    return states[0].cache
 
 
 # --- the contract ------------------------------------------------------------------
@@ -420,6 +439,19 @@ class EngineContract:
         result, _ = prefill(engine, request)
         assert_caches_equal(through_the_wire(result, engine.info), result.cache)
 
+    def test_kv_buffers_are_writable_engine_memory(self, engine):
+        make_buffers = kv_buffer_maker(engine)
+        if make_buffers is None:
+            pytest.skip("engine offers no kv_buffers (received K/V stays in numpy buffers)")
+        shape, dtype = (1, 2, 5, 8), np.dtype(np.float32)
+        buffers = make_buffers(shape, dtype, 2)
+        assert len(buffers) == 2 and buffers[0] is not buffers[1]
+        for buffer in buffers:
+            assert buffer.shape == shape and buffer.dtype == dtype
+            assert buffer.flags.c_contiguous and buffer.flags.writeable
+        buffers[0][...] = 1.5
+        assert not np.shares_memory(buffers[0], buffers[1])
+
     def test_prefill_with_max_tokens_1_ends_there(self, engine):
         result, _ = prefill(engine, make_request(engine.info, "one", 1))
         assert result.finish_reason in (FINISH_LENGTH, FINISH_STOP)
@@ -433,7 +465,8 @@ class EngineContract:
         single_node = generate(prefill_engine, request)
         result, _ = prefill(prefill_engine, request)
         log = EventLog()
-        decode_engine.decode(request, result.first_token, through_the_wire(result, info), log)
+        cache = through_the_wire(result, info, receiver=decode_engine)
+        decode_engine.decode(request, result.first_token, cache, log)
         check_stream(log.wait(), 1, request.max_tokens)
         check_natural_end(log, info, request)
         assert [result.first_token, *log.tokens] == single_node.tokens
