@@ -62,6 +62,7 @@ from mlxcel_plugin.link import Link, LinkConfig
 from mlxcel_plugin.link_bulk import SOCKET_BUFFER_BYTES
 from mlxcel_plugin.link_dial import dial_link
 from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
 from mlxcel_plugin.transfer import (
     FULL,
@@ -132,6 +133,7 @@ class KVSink:
     ingests: dict[str, _Ingest] = field(default_factory=dict)
     pool: BufferPool = field(default_factory=BufferPool)
     scratch: bytearray = field(default_factory=bytearray)
+    bytes_received: int = 0  # link-bytes path: body bytes since the last ack
 
     def body_destination(self, frame_type: FrameType, header: dict, n_bytes: int) -> Any:
         if header.get("bytes_only"):
@@ -213,29 +215,40 @@ def _is_mlx(layer: Any) -> bool:
 
 
 async def _serve_kv_link(link: Link, sink: KVSink) -> None:
-    """Assemble handoffs off this link; ack each on the link that completed it."""
-    received = 0
+    """Assemble handoffs off this link; ack each on the link that completed it.
+
+    Like the decode node: frames are handled on the link's reader task
+    (``deliver_to``), so a begin is applied before its first chunk is placed.
+    """
+    outbox = Outbox(link)
     link.set_body_sink(sink.body_destination)
-    async for frame in link:  # until the sender closes the link
-        if frame.type is FrameType.KV_CHUNK and frame.header.get("bytes_only"):
-            received += len(frame.body)
-            if frame.header.get("last"):
-                await link.send(kv_frame(FrameType.KV_ACK, {"bytes": received}))
-                received = 0
-            continue
-        if frame.type not in (FrameType.KV_BEGIN, FrameType.KV_CHUNK, FrameType.KV_END):
-            continue
-        done = sink.feed(frame)
-        if done is None:
-            continue
-        handoff_id, state, phases = done
-        start = time.perf_counter()
-        to_mlx(state.cache)
-        phases["mlx_s"] = time.perf_counter() - start
-        phases["cpu_s"] = time.process_time() - phases.pop("started_cpu_s")
-        phases["faults"] = page_faults() - phases.pop("started_faults")
-        del state, done  # the numpy buffers go back to the pool, as after engine.decode
-        await link.send(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
+    link.deliver_to(lambda frame: _on_kv_frame(frame, sink, outbox))
+    try:
+        await link.wait_closed()  # until the sender closes the link
+    finally:
+        outbox.close()
+
+
+def _on_kv_frame(frame: Frame, sink: KVSink, outbox: Outbox) -> None:
+    if frame.type is FrameType.KV_CHUNK and frame.header.get("bytes_only"):
+        sink.bytes_received += len(frame.body)
+        if frame.header.get("last"):
+            outbox.put(kv_frame(FrameType.KV_ACK, {"bytes": sink.bytes_received}))
+            sink.bytes_received = 0
+        return
+    if frame.type not in (FrameType.KV_BEGIN, FrameType.KV_CHUNK, FrameType.KV_END):
+        return
+    done = sink.feed(frame)
+    if done is None:
+        return
+    handoff_id, state, phases = done
+    start = time.perf_counter()
+    to_mlx(state.cache)
+    phases["mlx_s"] = time.perf_counter() - start
+    phases["cpu_s"] = time.process_time() - phases.pop("started_cpu_s")
+    phases["faults"] = page_faults() - phases.pop("started_faults")
+    del state, done  # the numpy buffers go back to the pool, as after engine.decode
+    outbox.put(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
 
 
 def _raw_server(listener: socket.socket) -> None:

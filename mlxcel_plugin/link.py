@@ -131,6 +131,10 @@ class Link:
         self._last_bulk_read: asyncio.Future | None = None
         self._body_sink: BodySink | None = None
         self._handler: Callable[[Frame], None] | None = None
+        # deliver_to: what is not yet handed to the handler, in order: frames, bodies being
+        # read (futures) and bodies whose read waits for an earlier frame (BulkBody).
+        self._delivering: collections.deque[Frame | BulkBody | asyncio.Future] = (
+            collections.deque())
         self._done = asyncio.Event()
         self._closer: asyncio.Task[None] | None = None
         self._tasks = [asyncio.create_task(self._write_loop(), name="link-writer"),
@@ -179,25 +183,21 @@ class Link:
     def deliver_to(self, handler: Callable[[Frame], None]) -> None:
         """Hand every later frame to ``handler`` on the reader task instead of ``recv``.
 
-        One task hop less per frame. Frames keep their order: frames that arrived
-        before this call go to ``handler`` now, and a body on the bulk channel is
-        awaited before the frames behind it. A ProtocolError raised by the handler
-        closes the link with 1008, like a malformed record.
+        One task hop less per frame, and a frame is handled before the next
+        record is read (so a body sink already sees what that frame set up).
+        Frames keep their order: frames that arrived before this call go first,
+        and a frame whose body is still on the bulk channel holds back the
+        frames behind it, while later records are still read and their bodies
+        queued back to back. A ProtocolError raised by the handler closes the
+        link with 1008, like a malformed record; any other exception with 1011.
         """
-        try:
-            while not self._inbox.empty():  # bounded by the queue's length
-                item = self._inbox.get_nowait()
-                if item is _CLOSED:
-                    break
-                if isinstance(item, asyncio.Future):
-                    if not item.done():
-                        raise RuntimeError("deliver_to: set it before bulk bodies arrive")
-                    item = item.result()
-                if item is not None:
-                    handler(item)
-        except ProtocolError as exc:
-            self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
         self._handler = handler
+        while not self._inbox.empty():  # bounded by the queue's length
+            item = self._inbox.get_nowait()
+            if item is _CLOSED:
+                break
+            self._queue_delivery(item)
+        self._deliver_ready()
 
     async def send(self, frame: Frame) -> None:
         """Queue one frame; waits while the send queue is full. Raises LinkClosed.
@@ -457,29 +457,72 @@ class Link:
         except OSError as exc:
             self._spawn_fail((exc, CLOSE_GOING_AWAY))
 
-    async def _hand_over(self, item: Frame | asyncio.Future) -> None:
-        handler = self._handler
-        if handler is None:
-            await self._inbox.put(item)
+    async def _hand_over(self, item: Frame | BulkBody) -> None:
+        if self._handler is None:
+            # recv(): a body is read at once, its frame awaited in order.
+            await self._inbox.put(self._start_bulk_read(item) if isinstance(item, BulkBody)
+                                  else item)
             return
-        frame = await item if isinstance(item, asyncio.Future) else item
-        if frame is not None:
-            handler(frame)
+        self._queue_delivery(item)
+        self._deliver_ready()
+
+    def _queue_delivery(self, item: Frame | BulkBody | asyncio.Future) -> None:
+        self._delivering.append(item)
+        if isinstance(item, asyncio.Future) and not item.done():
+            item.add_done_callback(lambda _: self._deliver_ready())
+
+    def _deliver_ready(self) -> None:
+        """Hand frames to the handler in order; start body reads no waiting frame precedes.
+
+        A body's read (and its sink's choice of buffer) waits for the frames
+        before it to be handled, but not for bodies before it still arriving:
+        reads of consecutive bodies stay back to back on the bulk thread.
+        """
+        self._hand_ready_frames()
+        for i, item in enumerate(self._delivering):  # bounded by the queue
+            if isinstance(item, BulkBody):
+                self._delivering[i] = read = self._start_bulk_read(item)
+                read.add_done_callback(lambda _: self._deliver_ready())
+            elif not isinstance(item, asyncio.Future):
+                return  # a frame not yet handled: the bodies behind it wait for it
+
+    def _hand_ready_frames(self) -> None:
+        while self._delivering:  # bounded by the queue; stops at a body still arriving
+            head = self._delivering[0]
+            if isinstance(head, BulkBody):
+                return
+            if isinstance(head, asyncio.Future):
+                if not head.done():
+                    return
+                head = None if head.cancelled() else head.result()
+            self._delivering.popleft()
+            if head is None:  # a body that failed (the link is closing) or an unknown type
+                continue
+            try:
+                self._handler(head)
+            except ProtocolError as exc:
+                self._delivering.clear()
+                self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
+                return
+            except Exception as exc:  # the app's handler failed: this link only
+                logger.exception("link %s: frame handler failed on a %s frame from %s",
+                                 self.local_node_id, head.type.name, self.peer_node_id)
+                self._delivering.clear()
+                self._spawn_fail((exc, CLOSE_INTERNAL_ERROR))
+                return
 
     async def _finish_bulk_reads(self) -> None:
         if self._last_bulk_read is not None:
             await asyncio.wait({self._last_bulk_read}, timeout=self._config.close_timeout_s)
 
-    async def _handle_message(self, message: bytes | str) -> list[Frame | asyncio.Future]:
-        """What one record brings for ``recv``, in order (PINGs and unknown types dropped)."""
+    async def _handle_message(self, message: bytes | str) -> list[Frame | BulkBody]:
+        """What one record brings for the app, in order (PINGs and unknown types dropped)."""
         if not isinstance(message, bytes):
             raise ProtocolError("text message on a link; only binary records are allowed")
-        items: list[Frame | asyncio.Future] = []
+        items: list[Frame | BulkBody] = []
         for item in self._records.feed(self._session.receiver.open(message)):
-            if isinstance(item, BulkBody):
-                items.append(self._start_bulk_read(item))
-            elif (frame := self._deliver(item)) is not None:
-                items.append(frame)
+            if isinstance(item, BulkBody) or (item := self._deliver(item)) is not None:
+                items.append(item)
         return items
 
     def _start_bulk_read(self, bulk: BulkBody) -> asyncio.Future:

@@ -127,15 +127,16 @@ class DecodeNode:
     async def serve(self, link: Link) -> None:
         outbox = Outbox(link)
         is_router = link.peer_role == "router"
-        if not is_router:
+        if is_router:
+            link.deliver_to(lambda frame: self._on_router_frame(outbox, frame))
+        else:
             self._prefill_outboxes[link] = outbox
             link.set_body_sink(self.receiver.body_destination)  # KV bodies land in place
+            # On the reader task: a KV_BEGIN is applied before the next chunk's body is
+            # placed, so even a handoff's first chunk is decrypted straight into its layer.
+            link.deliver_to(lambda frame: self._on_prefill_frame(link, outbox, frame))
         try:
-            async for frame in link:  # until the link closes
-                if is_router:
-                    self._on_router_frame(outbox, frame)
-                else:
-                    self._on_prefill_frame(link, outbox, frame)
+            await link.wait_closed()
         finally:
             self._on_link_closed(link, outbox, is_router)
 

@@ -422,6 +422,69 @@ def test_a_protocol_error_in_the_handler_closes_the_link_with_1008(caplog):
     assert "not what this handler expects" in caplog.text and "d1" in caplog.text
 
 
+def test_deliver_to_handles_a_frame_before_the_next_record_is_read():
+    """A body sink sees what the frame before its body set up (a KV begin, say)."""
+
+    async def main():
+        bodies = [os.urandom(MIB + i) for i in range(4)]
+        begun, landed, order = set(), {}, []
+
+        async def send_handoffs(link):
+            for i, body in enumerate(bodies):
+                await link.send(Frame(FrameType.KV_BEGIN, {"h": i}))
+                await link.send(Frame(FrameType.KV_CHUNK, {"h": i}, body))
+            await link.wait_closed()
+
+        def sink(frame_type, header, n_bytes):
+            if header["h"] not in begun:
+                return None
+            landed[header["h"]] = bytearray(n_bytes)
+            return memoryview(landed[header["h"]])
+
+        def handle(frame):
+            order.append((frame.type, frame.header["h"]))
+            if frame.type is FrameType.KV_BEGIN:
+                begun.add(frame.header["h"])
+            else:
+                assert frame.body.obj is landed[frame.header["h"]]
+
+        async with await serve(on_link=send_handoffs) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            link.set_body_sink(sink)
+            link.deliver_to(handle)
+            for _ in range(250):  # bounded wait for all eight frames
+                if len(order) == 8:
+                    break
+                await asyncio.sleep(0.02)
+            await link.close()
+        return bodies, landed, order
+
+    bodies, landed, order = run(main())
+    assert order == [(t, i) for i in range(4) for t in (FrameType.KV_BEGIN, FrameType.KV_CHUNK)]
+    assert [bytes(landed[i]) for i in range(4)] == bodies
+
+
+def test_a_failing_handler_closes_its_link_with_1011(caplog):
+    async def main():
+        async def send_one(link):
+            await link.send(Result("r", 0, [1]).to_frame())
+            await link.wait_closed()
+
+        def broken(frame):
+            raise KeyError("a bug in the app")
+
+        async with await serve(on_link=send_one) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            link.deliver_to(broken)
+            await asyncio.wait_for(link.wait_closed(), 5)
+            return link
+
+    with caplog.at_level(logging.ERROR, logger="mlxcel_plugin.link"):
+        link = run(main())
+    assert link.closed and link.error is None
+    assert "frame handler failed" in caplog.text and "a bug in the app" in caplog.text
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_bulk_reader_thread_runs_at_the_configured_niceness():
     import threading
