@@ -41,6 +41,7 @@ from mlxcel_plugin.frames import (
 )
 from mlxcel_plugin.handshake import PeerInfo, Session
 from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel, BulkPipe
+from mlxcel_plugin.link_delivery import FrameDelivery
 from mlxcel_plugin.link_records import (
     BATCH_MIN_MINOR,
     BATCH_OVERHEAD_BYTES,
@@ -130,11 +131,7 @@ class Link:
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
         self._body_sink: BodySink | None = None
-        self._handler: Callable[[Frame], None] | None = None
-        # deliver_to: what is not yet handed to the handler, in order: frames, bodies being
-        # read (futures) and bodies whose read waits for an earlier frame (BulkBody).
-        self._delivering: collections.deque[Frame | BulkBody | asyncio.Future] = (
-            collections.deque())
+        self._delivery: FrameDelivery | None = None  # set by deliver_to
         self._done = asyncio.Event()
         self._closer: asyncio.Task[None] | None = None
         self._tasks = [asyncio.create_task(self._write_loop(), name="link-writer"),
@@ -191,13 +188,15 @@ class Link:
         queued back to back. A ProtocolError raised by the handler closes the
         link with 1008, like a malformed record; any other exception with 1011.
         """
-        self._handler = handler
+        delivery = FrameDelivery(handler, self._start_bulk_read, self._handler_failed,
+                                 f"{self.local_node_id} from {self.peer_node_id}")
         while not self._inbox.empty():  # bounded by the queue's length
             item = self._inbox.get_nowait()
             if item is _CLOSED:
                 break
-            self._queue_delivery(item)
-        self._deliver_ready()
+            delivery.put(item)
+        self._delivery = delivery
+        delivery.advance()
 
     async def send(self, frame: Frame) -> None:
         """Queue one frame; waits while the send queue is full. Raises LinkClosed.
@@ -458,58 +457,15 @@ class Link:
             self._spawn_fail((exc, CLOSE_GOING_AWAY))
 
     async def _hand_over(self, item: Frame | BulkBody) -> None:
-        if self._handler is None:
-            # recv(): a body is read at once, its frame awaited in order.
-            await self._inbox.put(self._start_bulk_read(item) if isinstance(item, BulkBody)
-                                  else item)
+        if self._delivery is not None:
+            self._delivery.put(item)
             return
-        self._queue_delivery(item)
-        self._deliver_ready()
+        # recv(): a body is read at once, its frame awaited in order.
+        await self._inbox.put(self._start_bulk_read(item) if isinstance(item, BulkBody) else item)
 
-    def _queue_delivery(self, item: Frame | BulkBody | asyncio.Future) -> None:
-        self._delivering.append(item)
-        if isinstance(item, asyncio.Future) and not item.done():
-            item.add_done_callback(lambda _: self._deliver_ready())
-
-    def _deliver_ready(self) -> None:
-        """Hand frames to the handler in order; start body reads no waiting frame precedes.
-
-        A body's read (and its sink's choice of buffer) waits for the frames
-        before it to be handled, but not for bodies before it still arriving:
-        reads of consecutive bodies stay back to back on the bulk thread.
-        """
-        self._hand_ready_frames()
-        for i, item in enumerate(self._delivering):  # bounded by the queue
-            if isinstance(item, BulkBody):
-                self._delivering[i] = read = self._start_bulk_read(item)
-                read.add_done_callback(lambda _: self._deliver_ready())
-            elif not isinstance(item, asyncio.Future):
-                return  # a frame not yet handled: the bodies behind it wait for it
-
-    def _hand_ready_frames(self) -> None:
-        while self._delivering:  # bounded by the queue; stops at a body still arriving
-            head = self._delivering[0]
-            if isinstance(head, BulkBody):
-                return
-            if isinstance(head, asyncio.Future):
-                if not head.done():
-                    return
-                head = None if head.cancelled() else head.result()
-            self._delivering.popleft()
-            if head is None:  # a body that failed (the link is closing) or an unknown type
-                continue
-            try:
-                self._handler(head)
-            except ProtocolError as exc:
-                self._delivering.clear()
-                self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
-                return
-            except Exception as exc:  # the app's handler failed: this link only
-                logger.exception("link %s: frame handler failed on a %s frame from %s",
-                                 self.local_node_id, head.type.name, self.peer_node_id)
-                self._delivering.clear()
-                self._spawn_fail((exc, CLOSE_INTERNAL_ERROR))
-                return
+    def _handler_failed(self, exc: BaseException) -> None:
+        code = CLOSE_POLICY_VIOLATION if isinstance(exc, ProtocolError) else CLOSE_INTERNAL_ERROR
+        self._spawn_fail((exc, code))
 
     async def _finish_bulk_reads(self) -> None:
         if self._last_bulk_read is not None:

@@ -401,25 +401,34 @@ def test_deliver_to_hands_frames_in_order_including_those_queued_before():
     assert run(main()) == [f"r{i}" for i in range(10)]
 
 
-def test_a_protocol_error_in_the_handler_closes_the_link_with_1008(caplog):
+@pytest.mark.parametrize(
+    "failure, level, code, logged",
+    [
+        (MalformedFrame("not what this handler expects"), logging.WARNING, "frame_malformed",
+         "not what this handler expects"),
+        (KeyError("a bug in the app"), logging.ERROR, None, "frame handler failed"),
+    ],
+    ids=["protocol-error-1008", "bug-1011"],
+)
+def test_a_failing_handler_closes_its_link_and_says_why(caplog, failure, level, code, logged):
     async def main():
         async def send_one(link):
             await link.send(Result("r", 0, [1]).to_frame())
             await link.wait_closed()
 
-        def refuse(frame):
-            raise MalformedFrame("not what this handler expects")
+        def handler(frame):
+            raise failure
 
         async with await serve(on_link=send_one) as server:
             link = await dial_link(server.address, SECRET, "prefill", "p1")
-            link.deliver_to(refuse)
+            link.deliver_to(handler)
             await asyncio.wait_for(link.wait_closed(), 5)
             return link
 
-    with caplog.at_level(logging.WARNING, logger="mlxcel_plugin.link"):
+    with caplog.at_level(level, logger="mlxcel_plugin.link"):
         link = run(main())
-    assert link.closed and link.error.code == "frame_malformed"
-    assert "not what this handler expects" in caplog.text and "d1" in caplog.text
+    assert link.closed and (link.error.code if link.error else None) == code
+    assert logged in caplog.text and "d1" in caplog.text
 
 
 def test_deliver_to_handles_a_frame_before_the_next_record_is_read():
@@ -462,27 +471,6 @@ def test_deliver_to_handles_a_frame_before_the_next_record_is_read():
     bodies, landed, order = run(main())
     assert order == [(t, i) for i in range(4) for t in (FrameType.KV_BEGIN, FrameType.KV_CHUNK)]
     assert [bytes(landed[i]) for i in range(4)] == bodies
-
-
-def test_a_failing_handler_closes_its_link_with_1011(caplog):
-    async def main():
-        async def send_one(link):
-            await link.send(Result("r", 0, [1]).to_frame())
-            await link.wait_closed()
-
-        def broken(frame):
-            raise KeyError("a bug in the app")
-
-        async with await serve(on_link=send_one) as server:
-            link = await dial_link(server.address, SECRET, "prefill", "p1")
-            link.deliver_to(broken)
-            await asyncio.wait_for(link.wait_closed(), 5)
-            return link
-
-    with caplog.at_level(logging.ERROR, logger="mlxcel_plugin.link"):
-        link = run(main())
-    assert link.closed and link.error is None
-    assert "frame handler failed" in caplog.text and "a bug in the app" in caplog.text
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
