@@ -50,7 +50,6 @@ from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
 from mlxcel_plugin.frames import Frame, FrameType, kv_frame
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
-    BufferPool,
     HandoffHeader,
     KVAssembler,
     KVMessage,
@@ -131,7 +130,6 @@ class KVSink:
     make_buffers: Callable[[tuple[int, ...], Any, int], Any]
     codecs: Mapping[str, Any] = field(default_factory=builtin_codecs)
     ingests: dict[str, _Ingest] = field(default_factory=dict)
-    pool: BufferPool = field(default_factory=BufferPool)
     scratch: bytearray = field(default_factory=bytearray)
     bytes_received: int = 0  # link-bytes path: body bytes since the last ack
 
@@ -160,7 +158,7 @@ class KVSink:
             assembler = KVAssembler(
                 fingerprint,
                 self.codecs,
-                memory=ReceiveMemory(self.pool, self.make_buffers),
+                memory=ReceiveMemory(make_buffers=self.make_buffers),
                 adopt=timer.adopt,
             )
             ingest = _Ingest(
@@ -247,7 +245,7 @@ def _on_kv_frame(frame: Frame, sink: KVSink, outbox: Outbox) -> None:
     phases["mlx_s"] = time.perf_counter() - start
     phases["cpu_s"] = time.process_time() - phases.pop("started_cpu_s")
     phases["faults"] = page_faults() - phases.pop("started_faults")
-    del state, done  # the numpy buffers go back to the pool, as after engine.decode
+    del state, done  # the receive arrays are released, as after engine.decode
     outbox.put(kv_frame(FrameType.KV_ACK, {"handoff_id": handoff_id, **phases}))
 
 

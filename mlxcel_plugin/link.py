@@ -482,7 +482,7 @@ class Link:
         return items
 
     def _start_bulk_read(self, bulk: BulkBody) -> asyncio.Future:
-        """Queue the body read on the bulk thread; recv() awaits it in frame order."""
+        """Queue the body read on the bulk thread; recv() or the delivery awaits it in order."""
         # Read the body even for an unknown frame type, to keep the stream in step.
         body_read = self._bulk.read(bulk.n_bytes, self._sink_buffer(bulk))
         frame: asyncio.Future = asyncio.get_running_loop().create_future()
