@@ -61,6 +61,12 @@ from mlxcel_plugin.link import Link, LinkConfig
 from mlxcel_plugin.link_bulk import SOCKET_BUFFER_BYTES
 from mlxcel_plugin.link_dial import dial_link
 from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.nodes.kv_wire import (
+    FIRST_TOKEN_KEY,
+    chunk_destinations,
+    frame_to_messages,
+    frames_for,
+)
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
 from mlxcel_plugin.transfer import (
@@ -84,7 +90,7 @@ STRATEGIES = {FULL: FullTransfer, STREAMED: StreamedTransfer, LAYER_PARALLEL: La
 CODECS = builtin_codecs()
 # A streamed handoff's begin goes out before prefill samples the first token; like the
 # prefill node, the token then travels with KV_END (the receiver prefers it).
-END_FIRST_TOKEN = "first_token"
+END_FIRST_TOKEN = FIRST_TOKEN_KEY
 
 
 # ---------------------------------------------------------------- receiver process
@@ -142,18 +148,14 @@ class KVSink:
         ingest = self.ingests.get(str(header.get("handoff_id")))
         if frame_type is not FrameType.KV_CHUNK or ingest is None:
             return None
-        into = ingest.assembler.chunk_destination(header)
-        return into if into is not None and len(into) == n_bytes else None
+        return chunk_destinations(ingest.assembler.chunk_destination, header, n_bytes)
 
     def feed(self, frame: Frame) -> tuple[str, SerializableCacheState, dict[str, float]] | None:
-        kind = {FrameType.KV_BEGIN: "begin", FrameType.KV_CHUNK: "chunk", FrameType.KV_END: "end"}[
-            frame.type
-        ]
         handoff_id = str(frame.header["handoff_id"])
-        message = KVMessage(kind, frame.header, frame.body)
+        messages = frame_to_messages(frame)
         ingest = self.ingests.get(handoff_id)
         if ingest is None:
-            fingerprint = HandoffHeader.from_message(message).fingerprint
+            fingerprint = HandoffHeader.from_message(messages[0]).fingerprint
             timer = AdoptTimer()
             assembler = KVAssembler(
                 fingerprint,
@@ -165,11 +167,12 @@ class KVSink:
                 assembler, time.perf_counter(), time.process_time(), page_faults(), timer
             )
             self.ingests[handoff_id] = ingest
-        start = time.perf_counter()
-        state = ingest.assembler.feed(message)
+        start, state = time.perf_counter(), None
+        for message in messages:
+            state = ingest.assembler.feed(message)
         elapsed = time.perf_counter() - start
         ingest.feed_s += elapsed
-        if kind == "end" and END_FIRST_TOKEN in frame.header:
+        if frame.type is FrameType.KV_END and END_FIRST_TOKEN in frame.header:
             ingest.first_token = int(frame.header[END_FIRST_TOKEN])
         if state is None:
             return None
@@ -437,18 +440,8 @@ class HandoffSender:
         return messages
 
     async def send(self, messages: list[KVMessage], first_token: int | None = None) -> None:
-        for message in messages:
-            header = dict(message.header)
-            if message.kind == "end" and first_token is not None:
-                header[END_FIRST_TOKEN] = first_token
-            frame_type = {
-                "begin": FrameType.KV_BEGIN,
-                "chunk": FrameType.KV_CHUNK,
-                "end": FrameType.KV_END,
-            }[message.kind]
-            await self.lanes[message.lane % len(self.lanes)].send(
-                kv_frame(frame_type, header, message.body)
-            )
+        for lane, frame in frames_for(messages, first_token):  # as the prefill node frames them
+            await self.lanes[lane % len(self.lanes)].send(frame)
 
     async def start(self, header: HandoffHeader) -> None:
         await self.send(self._plan(lambda: self.strategy.start(header)))

@@ -59,7 +59,32 @@ class FrameType(enum.IntEnum):
     ERROR = 11
 
 
-Body = bytes | bytearray | memoryview
+
+
+class BodyParts:
+    """A body made of several byte buffers, sent and received back to back without joining.
+
+    Why: one frame for many KV chunks (each a slice of its own tensor) saves a
+    frame's bookkeeping per chunk on both ends; the bulk channel seals and
+    opens records straight across the parts. ``len`` is the total byte count
+    and ``bytes()`` joins them, so code that needs one buffer still gets it.
+    """
+
+    __slots__ = ("views", "nbytes")
+
+    def __init__(self, buffers: Sequence[bytes | bytearray | memoryview]):
+        views = [memoryview(b) for b in buffers]
+        self.views = tuple(v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views)
+        self.nbytes = sum(v.nbytes for v in self.views)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.views)
+
+
+Body = bytes | bytearray | memoryview | BodyParts
 
 
 @dataclass(frozen=True)

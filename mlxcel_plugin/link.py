@@ -32,6 +32,7 @@ from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import NodeLostError, ProtocolError
 from mlxcel_plugin.frames import (
+    BodyParts,
     Frame,
     FrameType,
     Ping,
@@ -67,9 +68,10 @@ CLOSE_TRY_AGAIN_LATER = 1013
 _MAX_PENDING_CONTROL = 64  # PONGs waiting to go out; beyond this a ping flood is dropped
 
 # (frame type, frame header, body length) -> a writable C-contiguous byte buffer of exactly
-# that length to decrypt the body into, or None for a fresh one. Called on the event loop
-# when the body is announced, before it is read; must not raise.
-BodySink = Callable[[FrameType, dict, int], memoryview | None]
+# that length to decrypt the body into (or a BodyParts of such buffers to scatter it over),
+# or None for a fresh one. Called on the event loop when the body is announced, before it
+# is read; must not raise.
+BodySink = Callable[[FrameType, dict, int], memoryview | BodyParts | None]
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,9 @@ class Link:
     async def send(self, frame: Frame) -> None:
         """Queue one frame; waits while the send queue is full. Raises LinkClosed.
 
-        The body may be any C-contiguous buffer (bytes, memoryview, numpy array);
-        it is sent without a copy, so do not modify it until ``drain()`` returns.
+        The body may be any C-contiguous buffer (bytes, memoryview, numpy array),
+        or a BodyParts of them; it is sent without a copy (on the bulk channel),
+        so do not modify it until ``drain()`` returns.
         """
         frame, size = self._checked(frame)
         await self._budget.acquire(size, lambda: not self._closed)
@@ -410,7 +413,8 @@ class Link:
             await self._send_record(record)
         return False
 
-    def _start_bulk_write(self, body: bytes | bytearray | memoryview, size: int) -> None:
+    def _start_bulk_write(self, body: bytes | bytearray | memoryview | BodyParts,
+                          size: int) -> None:
         """Hand the body to the bulk thread; its budget is released once it is on the socket."""
         future = self._bulk.write(body)
         self._bulk_writes += 1
@@ -503,23 +507,22 @@ class Link:
         self._last_bulk_read = frame
         return frame
 
-    def _sink_buffer(self, bulk: BulkBody) -> memoryview | None:
+    def _sink_buffer(self, bulk: BulkBody) -> memoryview | BodyParts | None:
         if self._body_sink is None:
             return None
         try:
             frame_type = FrameType(bulk.type_code)
         except ValueError:
             return None
-        n_bytes = bulk.n_bytes
-        into = self._body_sink(frame_type, bulk.header, n_bytes)
+        into = self._body_sink(frame_type, bulk.header, bulk.n_bytes)
         if into is None:
             return None
-        view = memoryview(into)
-        if view.readonly or not view.c_contiguous or view.nbytes != n_bytes:
+        views = into.views if isinstance(into, BodyParts) else (memoryview(into),)
+        if len(into) != bulk.n_bytes or not all(_writable_bytes(v) for v in views):
             logger.warning("link %s: body sink gave an unusable buffer for %d bytes; ignored",
-                           self.local_node_id, n_bytes)
+                           self.local_node_id, bulk.n_bytes)
             return None
-        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        return into if isinstance(into, BodyParts) else views[0].cast("B")
 
     def _deliver(self, frame: Frame) -> Frame | None:
         """PINGs are answered here (whether or not the app is reading); the rest go to recv."""
@@ -529,9 +532,13 @@ class Link:
         return frame
 
 
+def _writable_bytes(view: memoryview) -> bool:
+    return not view.readonly and view.c_contiguous
+
+
 def _flat_body(frame: Frame) -> Frame:
     """Bodies as flat byte buffers, so len() is the byte count (numpy arrays aren't)."""
-    if isinstance(frame.body, bytes | bytearray):
+    if isinstance(frame.body, bytes | bytearray | BodyParts):
         return frame
     view = memoryview(frame.body)
     if view.format == "B" and view.ndim == 1:

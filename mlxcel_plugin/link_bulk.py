@@ -26,10 +26,12 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.frames import BodyParts
 from mlxcel_plugin.handshake import Session
 from mlxcel_plugin.records import TAG_BYTES, RecordReceiver, RecordSender
 
@@ -74,6 +76,32 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
+def _views(body: bytes | bytearray | memoryview | BodyParts) -> tuple[memoryview, ...]:
+    if isinstance(body, BodyParts):
+        return body.views
+    return (memoryview(body).cast("B"),)
+
+
+def record_spans(views: Sequence[memoryview], record_bytes: int) -> Iterator[list[memoryview]]:
+    """The pieces of ``views`` (read back to back) that make up each record of ``record_bytes``.
+
+    Both ends cut a body the same way, so a record boundary needs no framing.
+    """
+    pieces: list[memoryview] = []
+    room = record_bytes
+    for view in views:
+        at = 0
+        while at < len(view):  # bounded: each pass consumes >= 1 byte of view
+            take = min(room, len(view) - at)
+            pieces.append(view[at:at + take])
+            at, room = at + take, room - take
+            if not room:
+                yield pieces
+                pieces, room = [], record_bytes
+    if pieces:
+        yield pieces
+
+
 class BulkChannel:
     """One authenticated bulk stream; ``write_body``/``read_body`` block (run them in a thread).
 
@@ -91,29 +119,29 @@ class BulkChannel:
         _tune(sock)
         _set_io_timeout(sock, io_timeout_s)
 
-    def write_body(self, body: bytes | bytearray | memoryview) -> None:
-        view = memoryview(body).cast("B")
+    def write_body(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
+        """Send a body as records of ``chunk_bytes``; a BodyParts' records span its parts."""
         out = memoryview(self._out)
         try:
-            for start in range(0, len(view), self.chunk_bytes):
-                n = self._sender.seal_into(view[start:start + self.chunk_bytes], out)
+            for pieces in record_spans(_views(body), self.chunk_bytes):
+                n = self._sender.seal_parts_into(pieces, out)
                 self._sock.sendall(out[:n])
         except TimeoutError as exc:
             raise BulkTimeout("bulk channel send timed out") from exc
 
-    def read_body(self, n_bytes: int, into: memoryview | None = None) -> bytearray | memoryview:
+    def read_body(self, n_bytes: int, into: memoryview | BodyParts | None = None
+                  ) -> bytearray | memoryview | BodyParts:
         """Read exactly ``n_bytes`` of body (the length came authenticated over the link).
 
-        ``into`` (a writable byte buffer of exactly ``n_bytes``) receives the
-        plaintext and is returned; otherwise a fresh buffer does. A record that
-        fails authentication raises, and the link fails with it.
+        ``into`` (writable buffers of ``n_bytes`` in all: one, or a BodyParts
+        to scatter into) receives the plaintext and is returned; otherwise a
+        fresh buffer does. A record that fails authentication raises, and the
+        link fails with it.
         """
         body = bytearray(n_bytes) if into is None else into
-        dest = memoryview(body)
-        for start in range(0, n_bytes, self.chunk_bytes):
-            size = min(self.chunk_bytes, n_bytes - start) + TAG_BYTES
-            record = self._recv_exactly(size)
-            self._receiver.open_into(record, dest[start:])
+        for dests in record_spans(_views(body), self.chunk_bytes):
+            record = self._recv_exactly(sum(len(d) for d in dests) + TAG_BYTES)
+            self._receiver.open_parts_into(record, dests)
         return body
 
     def _recv_exactly(self, size: int) -> memoryview:
@@ -155,10 +183,11 @@ class BulkPipe:
         self._in = ThreadPoolExecutor(1, "mlxcel-bulk-in", initializer=_lower_thread_priority,
                                       initargs=(reader_nice,))
 
-    def write(self, body: bytes | bytearray | memoryview) -> asyncio.Future[None]:
+    def write(self, body: bytes | bytearray | memoryview | BodyParts) -> asyncio.Future[None]:
         return asyncio.get_running_loop().run_in_executor(self._out, self.channel.write_body, body)
 
-    def read(self, n_bytes: int, into: memoryview | None) -> asyncio.Future[bytearray | memoryview]:
+    def read(self, n_bytes: int, into: memoryview | BodyParts | None
+             ) -> asyncio.Future[bytearray | memoryview | BodyParts]:
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._in, self.channel.read_body, n_bytes, into)
 

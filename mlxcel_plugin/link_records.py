@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import Frame, FrameType, UnknownFrameType, decode_frame, split_frame
+from mlxcel_plugin.frames import (
+    BodyParts,
+    Frame,
+    FrameType,
+    UnknownFrameType,
+    decode_frame,
+    split_frame,
+)
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -121,10 +128,12 @@ class RecordReader:
         frame = self._decode(payload)
         return [] if frame is None else [frame]
 
-    def bulk_frame(self, bulk: BulkBody, body: bytearray | memoryview) -> Frame | None:
+    def bulk_frame(self, bulk: BulkBody, body: bytearray | memoryview | BodyParts) -> Frame | None:
         """The frame once its body arrived (None for a type this version skips)."""
         try:
-            return Frame(FrameType(bulk.type_code), bulk.header, memoryview(body))
+            frame_type = FrameType(bulk.type_code)
+            return Frame(frame_type, bulk.header, body if isinstance(body, BodyParts)
+                         else memoryview(body))
         except ValueError:
             logger.debug("link %s: skipping unknown frame type %d", self._name, bulk.type_code)
             return None

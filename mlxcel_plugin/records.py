@@ -9,8 +9,16 @@ like a tampered one. Any failure poisons the receiver: the link must close.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import (
+    AEADDecryptionContext,
+    AEADEncryptionContext,
+    Cipher,
+    algorithms,
+    modes,
+)
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from mlxcel_plugin.errors import ProtocolError
@@ -58,6 +66,7 @@ class _Direction:
     def __init__(self, key: bytes, iv_prefix: bytes, label: bytes,
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
         _check_key(key, iv_prefix)
+        self._key = bytes(key)
         self._aead = AESGCM(key)
         self._iv_prefix = bytes(iv_prefix)
         self._label = bytes(label)
@@ -73,6 +82,10 @@ class _Direction:
             raise RecordStateError("record sequence exhausted; reconnect")
         packed = _SEQ.pack(self.seq)
         return self._iv_prefix + packed, self._label + packed
+
+    def _cipher(self, nonce: bytes) -> Cipher:
+        """The same AES-256-GCM record as ``_aead``, processed in pieces (gather / scatter)."""
+        return Cipher(algorithms.AES(self._key), modes.GCM(nonce))
 
 
 class RecordSender(_Direction):
@@ -95,6 +108,25 @@ class RecordSender(_Direction):
         nonce, aad = self._next_nonce_aad()
         target = memoryview(out)[: n + TAG_BYTES]
         self._aead.encrypt_into(nonce, plaintext, aad, target)
+        self.seq += 1
+        return n + TAG_BYTES
+
+    def seal_parts_into(self, parts: Sequence[memoryview], out: bytearray | memoryview) -> int:
+        """Seal the concatenation of ``parts`` as one record into ``out``, without joining them."""
+        if len(parts) == 1:
+            return self.seal_into(parts[0], out)
+        n = sum(len(part) for part in parts)
+        if n > self.max_record_bytes:
+            raise RecordTooLarge(f"record of {n} bytes exceeds bound {self.max_record_bytes}")
+        nonce, aad = self._next_nonce_aad()
+        encryptor: AEADEncryptionContext = self._cipher(nonce).encryptor()
+        encryptor.authenticate_additional_data(aad)
+        target, at = memoryview(out), 0
+        for part in parts:
+            encryptor.update_into(part, target[at : at + len(part)])
+            at += len(part)
+        encryptor.finalize()
+        target[at : at + TAG_BYTES] = encryptor.tag
         self.seq += 1
         return n + TAG_BYTES
 
@@ -132,13 +164,38 @@ class RecordReceiver(_Direction):
         try:
             self._aead.decrypt_into(nonce, record, aad, memoryview(out)[: n - TAG_BYTES])
         except InvalidTag:
-            self._broken = True
-            raise RecordAuthError(
-                f"record {self.seq} failed authentication "
-                "(tampered, replayed, reordered, dropped or wrong key)"
-            ) from None
+            self._fail_auth()
         self.seq += 1
         return n - TAG_BYTES
+
+    def open_parts_into(self, record: memoryview, outs: Sequence[memoryview]) -> int:
+        """Open one record into ``outs`` in turn (their lengths sum to the plaintext's)."""
+        if len(outs) == 1:
+            return self.open_into(record, outs[0])
+        n = len(record)
+        self._check_size(n)
+        if sum(len(out) for out in outs) != n - TAG_BYTES:
+            raise RecordError("scatter buffers do not add up to the record")
+        nonce, aad = self._next_nonce_aad()
+        decryptor: AEADDecryptionContext = self._cipher(nonce).decryptor()
+        decryptor.authenticate_additional_data(aad)
+        at = 0
+        for out in outs:
+            decryptor.update_into(record[at : at + len(out)], out)
+            at += len(out)
+        try:
+            decryptor.finalize_with_tag(bytes(record[at:]))
+        except InvalidTag:
+            self._fail_auth()
+        self.seq += 1
+        return n - TAG_BYTES
+
+    def _fail_auth(self) -> None:
+        self._broken = True
+        raise RecordAuthError(
+            f"record {self.seq} failed authentication "
+            "(tampered, replayed, reordered, dropped or wrong key)"
+        ) from None
 
     def open(self, record: bytes | bytearray | memoryview) -> bytearray:
         """Open into a fresh buffer the caller keeps (frames hold views into it)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from mlxcel_plugin.engine_api import KVBufferMaker, LayerAdopter
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
-from mlxcel_plugin.frames import Frame, FrameType
+from mlxcel_plugin.frames import BodyParts, Frame, FrameType
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import (
     AssemblerLimits,
@@ -36,7 +36,7 @@ from mlxcel_plugin.kv_serde import (
     SerializableCacheState,
 )
 from mlxcel_plugin.link import Link
-from mlxcel_plugin.nodes.kv_wire import end_first_token, frame_to_message
+from mlxcel_plugin.nodes.kv_wire import chunk_destinations, end_first_token, frame_to_messages
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +96,18 @@ class HandoffReceiver:
         return next((i for i in self.ingests.values() if i.request_id == request_id), None)
 
     def body_destination(self, frame_type: FrameType, header: dict,
-                         n_bytes: int) -> memoryview | None:
-        """A link body sink: where a KV_CHUNK body belongs in its handoff's buffers, or None."""
+                         n_bytes: int) -> memoryview | BodyParts | None:
+        """A link body sink: where a KV_CHUNK body's chunks belong in their handoff's buffers."""
         if frame_type is not FrameType.KV_CHUNK:
             return None
         handoff_id = header.get("handoff_id")
         ingest = self.ingests.get(handoff_id) if isinstance(handoff_id, str) else None
         if ingest is None or header.get("epoch") != ingest.epoch:
             return None
-        into = ingest.assembler.chunk_destination(header)
-        return into if into is not None and len(into) == n_bytes else None
+        return chunk_destinations(ingest.assembler.chunk_destination, header, n_bytes)
 
     def feed(self, link: Link, frame: Frame) -> Outcome:
         """Apply one KV frame; raises MalformedHandoff when it cannot even be routed."""
-        message = frame_to_message(frame)
         handoff_id, epoch = _route(frame)
         ingest = self.ingests.get(handoff_id)
         if frame.type is FrameType.KV_BEGIN:
@@ -123,7 +121,9 @@ class HandoffReceiver:
         try:
             if frame.type is FrameType.KV_END:
                 ingest.first_token = end_first_token(frame)
-            state = ingest.assembler.feed(message)
+            state = None
+            for message in frame_to_messages(frame):
+                state = ingest.assembler.feed(message)
         except HandoffError as exc:
             return self._refuse(ingest, exc)
         if state is None:
@@ -139,8 +139,8 @@ class HandoffReceiver:
         request_id = frame.header.get("request_id")
         request_id = request_id if isinstance(request_id, str) else ""
         try:
-            header = HandoffHeader.from_message(frame_to_message(frame),
-                                                self.limits.max_prompt_tokens)
+            (begin,) = frame_to_messages(frame)
+            header = HandoffHeader.from_message(begin, self.limits.max_prompt_tokens)
             header.fingerprint.check_supported()
             header.fingerprint.check_matches(self.local)
             self.admit(header)
@@ -152,7 +152,7 @@ class HandoffReceiver:
         ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
         self.ingests[handoff_id] = ingest
         try:
-            assembler.feed(frame_to_message(frame))
+            assembler.feed(begin)
         except HandoffError as exc:
             return self._refuse(ingest, exc)
         return None

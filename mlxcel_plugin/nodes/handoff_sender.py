@@ -23,7 +23,7 @@ from mlxcel_plugin.frames import Cancel, Frame, FrameType
 from mlxcel_plugin.kv_serde import AckHeader, HandoffHeader, KVMessage
 from mlxcel_plugin.link import Link, LinkClosed, LinkConfig
 from mlxcel_plugin.link_dial import RETRYABLE, Backoff, dial_with_backoff
-from mlxcel_plugin.nodes.kv_wire import message_to_frame
+from mlxcel_plugin.nodes.kv_wire import frames_for
 from mlxcel_plugin.secret import ClusterSecret
 from mlxcel_plugin.transfer import TransferStrategy
 
@@ -50,6 +50,7 @@ class OutgoingHandoff:
     sent_bytes: int = 0
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
+    first_token: int | None = None  # set by finish()
 
     def __post_init__(self) -> None:
         self.ack: asyncio.Future[AckHeader] = asyncio.get_running_loop().create_future()
@@ -60,9 +61,9 @@ class OutgoingHandoff:
     def key(self) -> tuple[str, str, int]:
         return self.header.request_id, self.header.handoff_id, self.header.epoch
 
-    def push(self, messages: Iterable[KVMessage], first_token: int | None = None) -> None:
+    def push(self, messages: Iterable[KVMessage]) -> None:
         for message in messages:
-            self._queue.put_nowait((message, first_token))
+            self._queue.put_nowait(message)
 
     def add_layer(self, index: int, layer: CacheLayer) -> None:
         if self.aborted:
@@ -74,9 +75,10 @@ class OutgoingHandoff:
 
     def finish(self, first_token: int) -> None:
         self.finished_s = time.monotonic()
+        self.first_token = first_token  # goes out with the end
         if not self.aborted:
             try:
-                self.push(self.strategy.finish(), first_token)
+                self.push(self.strategy.finish())
             except HandoffError as exc:
                 self.fail(exc)
         self._queue.put_nowait(_DONE)
@@ -95,14 +97,23 @@ class OutgoingHandoff:
     async def _send_all(self, lanes_task: asyncio.Task[list[Link]]) -> None:
         try:
             lanes = await lanes_task
-            while (item := await self._queue.get()) is not _DONE:  # ends with finish()
-                message, first_token = item
-                frame = message_to_frame(message, first_token)
-                self.began = self.began or message.kind == "begin"
-                await lanes[message.lane % len(lanes)].send(frame)
-                self.sent_bytes += len(frame.body)
+            finished = False
+            while not finished:  # ends with finish()
+                messages, finished = await self._queued()
+                # What queued up while the last frames went out shares frames now.
+                for lane, frame in frames_for(messages, self.first_token):
+                    self.began = self.began or frame.type is FrameType.KV_BEGIN
+                    await lanes[lane % len(lanes)].send(frame)
+                    self.sent_bytes += len(frame.body)
         except (*RETRYABLE, MlxcelError) as exc:
             self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))
+
+    async def _queued(self) -> tuple[list[KVMessage], bool]:
+        """Every message queued now (waits for one), and whether finish() came after them."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():  # bounded by what is queued
+            items.append(self._queue.get_nowait())
+        return [i for i in items if i is not _DONE], _DONE in items  # type: ignore[misc]
 
 
 class DecodeLinks:

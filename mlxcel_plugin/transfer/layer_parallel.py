@@ -1,4 +1,4 @@
-"""LayerParallelTransfer: chunks round-robin over several links."""
+"""LayerParallelTransfer: layers round-robin over several links."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from mlxcel_plugin.transfer.base import StrategyOptions, WriterStrategy
 
 
 class LayerParallelTransfer(WriterStrategy):
-    """Streams like StreamedTransfer, spreading chunks over ``options.lanes`` links.
+    """Streams like StreamedTransfer, dealing layers over ``options.lanes`` links.
+
+    A layer's chunks stay on one lane, so they can share a frame there
+    (``kv_wire.frames_for``); consecutive layers go to different lanes.
 
     Every lane gets its own copy of begin first, so on any lane the receiver
     sees begin before that lane's chunks; the receiver places chunks in any
@@ -29,12 +32,10 @@ class LayerParallelTransfer(WriterStrategy):
         return [dataclasses.replace(begin, lane=lane) for lane in range(self.options.lanes)]
 
     def add_layer(self, index: int, layer: CacheLayer) -> list[KVMessage]:
-        return [self._assign(chunk) for chunk in self._live_writer().layer(index, layer)]
+        lane = self._next_lane
+        self._next_lane = (lane + 1) % self.options.lanes
+        chunks = self._live_writer().layer(index, layer)
+        return [dataclasses.replace(chunk, lane=lane) for chunk in chunks]
 
     def finish(self) -> list[KVMessage]:
         return [self._finish_writer().end()]
-
-    def _assign(self, chunk: KVMessage) -> KVMessage:
-        lane = self._next_lane
-        self._next_lane = (lane + 1) % self.options.lanes
-        return dataclasses.replace(chunk, lane=lane)

@@ -96,13 +96,13 @@ async def _decode_main(model: str) -> None:
     from mlxcel_plugin.engine_api import layer_adopter
     from mlxcel_plugin.frames import FrameType
     from mlxcel_plugin.kv_codecs import builtin_codecs
-    from mlxcel_plugin.kv_serde import KVAssembler, KVMessage, ModelFingerprint
+    from mlxcel_plugin.kv_serde import KVAssembler, ModelFingerprint
     from mlxcel_plugin.link_server import serve_links
+    from mlxcel_plugin.nodes.kv_wire import KV_TYPES, frame_to_messages
 
     engine = _load_engine(model)
     local = ModelFingerprint.from_dict(engine.info.fingerprint)
     codecs = builtin_codecs()
-    kinds = {FrameType.KV_BEGIN: "begin", FrameType.KV_CHUNK: "chunk", FrameType.KV_END: "end"}
     assemblers: dict[str, KVAssembler] = {}
     first_tokens: dict[str, int] = {}
     loop = asyncio.get_running_loop()
@@ -122,7 +122,7 @@ async def _decode_main(model: str) -> None:
     async def on_link(link: Any) -> None:
         # Frames of one handoff arrive on several lanes; assemblers are shared by handoff id.
         async for frame in link:  # until the prefill process closes the link
-            if frame.type not in kinds:
+            if frame.type not in KV_TYPES:
                 continue
             handoff_id = str(frame.header["handoff_id"])
             if frame.type is FrameType.KV_END:
@@ -130,7 +130,8 @@ async def _decode_main(model: str) -> None:
             if handoff_id not in assemblers:  # layers go into MLX as they complete, as on a node
                 assemblers[handoff_id] = KVAssembler(local, codecs, adopt=layer_adopter(engine))
             assembler = assemblers[handoff_id]
-            state = assembler.feed(KVMessage(kinds[frame.type], frame.header, frame.body))
+            for message in frame_to_messages(frame):  # several chunks may share a frame
+                state = assembler.feed(message)
             if state is not None:
                 del assemblers[handoff_id]
                 await decode(state, first_tokens.pop(handoff_id))
@@ -155,16 +156,10 @@ async def _decode_main(model: str) -> None:
 
 
 async def _send(lanes: list[Any], messages: list[Any], first_token: int | None = None) -> None:
-    from mlxcel_plugin.frames import FrameType, kv_frame
+    from mlxcel_plugin.nodes.kv_wire import frames_for
 
-    types = {"begin": FrameType.KV_BEGIN, "chunk": FrameType.KV_CHUNK, "end": FrameType.KV_END}
-    for message in messages:
-        header = dict(message.header)
-        if message.kind == "end":
-            header[END_FIRST_TOKEN] = first_token
-        await lanes[message.lane % len(lanes)].send(
-            kv_frame(types[message.kind], header, message.body)
-        )
+    for lane, frame in frames_for(messages, first_token):  # as the prefill node frames them
+        await lanes[lane % len(lanes)].send(frame)
 
 
 async def _generate(engine: Any, request: Any) -> list[int]:

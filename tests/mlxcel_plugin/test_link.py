@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.frames import (
+    BodyParts,
     Frame,
     FrameType,
     MalformedFrame,
@@ -22,6 +23,7 @@ from mlxcel_plugin.frames import (
 )
 from mlxcel_plugin.handshake import BadMac, ClientHandshake, PeerAtCapacity, RoleRefused
 from mlxcel_plugin.link import LinkClosed, LinkConfig
+from mlxcel_plugin.link_bulk import record_spans
 from mlxcel_plugin.link_dial import Backoff, dial_link, dial_with_backoff
 from mlxcel_plugin.link_records import KIND_BATCH, KIND_FRAME, split_batch
 from mlxcel_plugin.link_server import serve_links
@@ -108,6 +110,43 @@ def test_a_body_sink_receives_bulk_bodies_in_its_own_buffer():
             assert bytes(buffers[0]) == bodies[0] and bytes(buffers[1]) == bodies[1]
             # Only bulk bodies are offered to the sink; i=2 got a fresh buffer (sink said None).
             assert offered == [(FrameType.KV_CHUNK, i, MIB) for i in range(3)]
+            await link.close()
+
+    run(main())
+
+
+def test_record_spans_cut_parts_into_records_of_the_record_size():
+    views = [memoryview(bytes(n)) for n in (5, 0, 2, 9)]
+    spans = [[len(piece) for piece in pieces] for pieces in record_spans(views, 4)]
+    assert spans == [[4], [1, 2, 1], [4], [4]]
+    assert list(record_spans([memoryview(b"")], 4)) == []
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "websocket-parts"])
+def test_a_body_in_parts_is_gathered_and_scattered_across_record_boundaries(bulk):
+    async def main():
+        # Parts straddle the 1 MiB bulk records (and the 2 MiB WebSocket records).
+        sizes = (MIB - 5, 10, 3 * MIB + 7, 5)
+        parts = [os.urandom(n) for n in sizes]
+        landing = [bytearray(n) for n in sizes]
+        received = asyncio.Queue()
+
+        async def take(link):
+            link.set_body_sink(lambda *_: BodyParts([memoryview(b) for b in landing]))
+            async for frame in link:
+                await received.put(frame)
+
+        config = LinkConfig(bulk=bulk, max_record_bytes=2 * MIB)
+        async with await serve(on_link=take, config=config) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1", config=config)
+            await link.send(Frame(FrameType.KV_CHUNK, {"n": 4}, BodyParts(parts)))
+            await link.send(Frame(FrameType.KV_CHUNK, {"n": 1}, b"after"))
+            frame = await received.get()
+            assert bytes(frame.body) == b"".join(parts) and len(frame.body) == sum(sizes)
+            if bulk:  # the sink's buffers got the bytes, part by part
+                assert isinstance(frame.body, BodyParts)
+                assert [bytes(b) for b in landing] == parts
+            assert bytes((await received.get()).body) == b"after"
             await link.close()
 
     run(main())

@@ -107,3 +107,40 @@ def test_open_into_preallocated_buffer():
     out = bytearray(64)
     n = rx.open_into(sealed(tx, b"hello")[0], out)
     assert out[:n] == b"hello"
+
+
+@pytest.mark.parametrize("cuts", [(5,), (1, 4), (0, 2, 0, 3), (3, 1, 1)])
+def test_a_record_sealed_from_parts_equals_one_sealed_whole_and_opens_into_parts(cuts):
+    plain = b"hello"
+    views, at = [], 0
+    for n in cuts:
+        views.append(memoryview(plain)[at : at + n])
+        at += n
+    whole, _ = pair()
+    record = bytearray(64)
+    n = pair()[0].seal_parts_into(views, record)
+    assert bytes(record[:n]) == bytes(whole.seal(plain))
+    outs = [bytearray(len(v)) for v in views]
+    rx = pair()[1]
+    assert rx.open_parts_into(memoryview(record)[:n], [memoryview(o) for o in outs]) == 5
+    assert b"".join(outs) == plain and rx.seq == 1
+
+
+def test_a_tampered_record_opened_into_parts_fails_and_poisons():
+    tx, rx = pair()
+    record = bytearray(sealed(tx, b"abcdef")[0])
+    record[2] ^= 1
+    outs = [memoryview(bytearray(3)), memoryview(bytearray(3))]
+    with pytest.raises(RecordAuthError):
+        rx.open_parts_into(memoryview(record), outs)
+    with pytest.raises(RecordStateError):
+        rx.open_parts_into(memoryview(record), outs)
+
+
+def test_parts_that_do_not_add_up_are_refused():
+    tx, rx = pair(max_record_bytes=8)
+    with pytest.raises(RecordTooLarge):
+        tx.seal_parts_into([memoryview(b"12345"), memoryview(b"6789")], bytearray(64))
+    record = memoryview(sealed(tx, b"abc")[0])
+    with pytest.raises(RecordError):
+        rx.open_parts_into(record, [memoryview(bytearray(1)), memoryview(bytearray(1))])

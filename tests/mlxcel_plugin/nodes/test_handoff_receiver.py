@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from mlxcel_plugin.frames import FrameType
+
+from mlxcel_plugin.frames import BodyParts, FrameType
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import SerializableCacheState
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
+from mlxcel_plugin.nodes import kv_wire
 from mlxcel_plugin.nodes.kv_wire import message_to_frame
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
@@ -32,11 +34,49 @@ def deliver(receiver, frames):
     for frame in frames:
         into = receiver.body_destination(frame.type, frame.header, len(frame.body))
         if into is not None:
-            into[:] = frame.body
+            _write(into, bytes(frame.body))
             frame = type(frame)(frame.type, frame.header, into)
             placed += 1
         outcome = receiver.feed(LINK, frame) or outcome
     return outcome, placed
+
+
+def _write(into, body: bytes) -> None:
+    """As the link decrypts a body: into the one buffer, or part by part."""
+    at = 0
+    for view in into.views if isinstance(into, BodyParts) else (into,):
+        view[:] = body[at : at + len(view)]
+        at += len(view)
+
+
+def joined_frames(codec="none"):
+    """The handoff as a prefill node frames it: chunks share frames (two per frame here)."""
+    header = make_header(FP, 40, codec=codec, handoff_id="h1")
+    cache = make_cache(FP, 40)
+    messages = SerializableCacheState(header, cache).to_messages(resolve_codec(codec, CODECS), 2048)
+    return [frame for _, frame in kv_wire.frames_for(messages, max_chunk_bytes=4096)], cache
+
+
+def test_chunks_sharing_a_frame_are_each_placed_in_their_layer_buffers():
+    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
+    frames, cache = joined_frames()
+    assert any(kv_wire.CHUNKS_KEY in f.header for f in frames)
+    outcome, placed = deliver(receiver, frames)
+    assert isinstance(outcome, Completed) and placed == len(frames) - 2
+    assert_caches_equal(outcome.state.cache, cache)
+
+
+def test_a_joined_frame_that_lies_about_its_chunks_refuses_the_handoff():
+    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
+    frames, _ = joined_frames()
+    joined = next(i for i, f in enumerate(frames) if kv_wire.CHUNKS_KEY in f.header)
+    chunks = [dict(c) for c in frames[joined].header[kv_wire.CHUNKS_KEY]]
+    chunks[0]["nbytes"] += 1
+    header = {**frames[joined].header, kv_wire.CHUNKS_KEY: chunks}
+    frames[joined] = type(frames[joined])(FrameType.KV_CHUNK, header, bytes(frames[joined].body))
+    outcome, _ = deliver(receiver, frames[: joined + 1])
+    assert isinstance(outcome, Refused) and outcome.error.code == "handoff_malformed"
+    assert receiver.allocated_bytes == 0 and not receiver.ingests
 
 
 def test_bodies_are_placed_in_the_handoff_buffers_and_the_cache_is_exact():

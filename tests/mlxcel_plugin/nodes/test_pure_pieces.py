@@ -9,9 +9,7 @@ import pytest
 
 from mlxcel_plugin.engine_api import CacheState, GenerationRequest, SamplingParams
 from mlxcel_plugin.errors import EngineError, InvalidRequestError
-from mlxcel_plugin.frames import FrameType, Request
-from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
-from mlxcel_plugin.nodes.kv_wire import end_first_token, frame_to_message, message_to_frame
+from mlxcel_plugin.frames import Request
 from mlxcel_plugin.nodes.metrics import DecodeMetrics
 from mlxcel_plugin.nodes.ops_http import OpsRoutes, parse_request_line, render, respond
 from mlxcel_plugin.nodes.requests import generation_request, sampling_params
@@ -22,23 +20,6 @@ from mlxcel_plugin.testing.fake_engine import (
     make_layer,
     prompt_from_cache,
 )
-
-
-def test_kv_messages_map_onto_frames_and_back():
-    end = KVMessage("end", {"handoff_id": "h", "epoch": 1}, b"")
-    frame = message_to_frame(end, first_token=42)
-    assert frame.type is FrameType.KV_END and end_first_token(frame) == 42
-    assert frame_to_message(frame).kind == "end"
-    chunk = message_to_frame(KVMessage("chunk", {"a": 1}, b"xy"), first_token=42)
-    assert "first_token" not in chunk.header and bytes(chunk.body) == b"xy"
-
-
-def test_a_bad_first_token_is_a_named_refusal():
-    frame = message_to_frame(KVMessage("end", {"first_token": "x"}))
-    with pytest.raises(MalformedHandoff):
-        end_first_token(frame)
-    with pytest.raises(MalformedHandoff):
-        frame_to_message(Request("r", [1]).to_frame())
 
 
 def test_request_fields_are_checked():
