@@ -7,16 +7,19 @@ check) → ``mx.array`` per layer, as the decode node does it: the MLX engine's
 ``adopt_layer`` as each layer completes, then everything evaluated. The clock
 runs from the strategy's ``start`` to the receiver's KV_ACK, sent once the MLX
 arrays of every layer exist. Each repeat alternates every path so all see the
-same machine load; ratios are taken per repeat against that repeat's raw TCP;
-an unrecorded warm-up repeat comes first. Both processes also report their CPU
+same machine load, with a raw TCP run just before each path's run. The ratio
+is of median times (raw TCP's median over all its runs); "paired" is the
+median of each run's ratio to the raw run just before it. An unrecorded
+warm-up repeat comes first. Both processes also report their CPU
 seconds and minor page faults per handoff: on 2 cores the CPU sum, not any one
 phase, bounds wall time.
 
 Paths (sender = this process, receiver = one spawned process for all of them):
 
 * raw TCP: ``sendall`` of the cache's bytes, receiver ``recv_into`` a reused buffer
-* link bytes: the same bytes as 4 MiB KV_CHUNK frames on a link, no KV serde,
-  decrypted into one reused buffer (separates the link's cost from the KV layer's)
+* link bytes: the same bytes in KV_CHUNK frames of whole tensors up to 16 MiB
+  (as the KV path frames them), no KV serde, decrypted into one reused buffer
+  (separates the link's cost from the KV layer's)
 * full / streamed / layer-parallel xN: the whole KV path above
 
 The cache is synthetic, shaped like SmolLM2-135M's (30 layers x 3 KV heads x
@@ -25,7 +28,7 @@ phase times (assembler feed incl. per-layer adoption, final feed, the last
 mx.eval) come back in the ack; they locate the KV path's own costs.
 
 Usage: python loadtests/bench_kv_handoff.py [--quick] [--json PATH] [--sizes 64,256]
-       [--dtypes float32,float16] [--repeats 3] [--lanes 2,4]
+       [--dtypes float32,float16] [--repeats 5] [--lanes 2,4]
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import statistics
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +50,7 @@ from bench_common import add_common_args, bench_result, table, write_json
 
 from engines import kv_convert
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
-from mlxcel_plugin.frames import Frame, FrameType, kv_frame
+from mlxcel_plugin.frames import BodyParts, Frame, FrameType, kv_frame
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
     HandoffHeader,
@@ -63,6 +66,7 @@ from mlxcel_plugin.link_dial import dial_link
 from mlxcel_plugin.link_server import serve_links
 from mlxcel_plugin.nodes.kv_wire import (
     FIRST_TOKEN_KEY,
+    FRAME_CHUNK_BYTES,
     chunk_destinations,
     frame_to_messages,
     frames_for,
@@ -84,7 +88,6 @@ MIB = 1 << 20
 SECRET = bytes(range(32))  # fixed: the spawned receiver re-imports this module
 LOOPBACK = "127.0.0.1"
 ACK_TIMEOUT_S = 120.0
-LINK_BYTES_CHUNK = 4 * MIB
 _LEN = struct.Struct(">Q")
 STRATEGIES = {FULL: FullTransfer, STREAMED: StreamedTransfer, LAYER_PARALLEL: LayerParallelTransfer}
 CODECS = builtin_codecs()
@@ -406,16 +409,27 @@ def raw_tcp_once(conn: socket.socket, views: Sequence[memoryview]) -> float:
 
 
 async def link_bytes_once(peer: Peer, views: Sequence[memoryview]) -> float:
-    """The link alone: the same bytes as 4 MiB frames, no KV serde on either side."""
+    """The link alone: the same bytes framed as the KV path frames them, no KV serde."""
     (link,) = await peer.ensure_links(1)
+    frames = list(_byte_frames(views, FRAME_CHUNK_BYTES))
     start = time.perf_counter()
-    for i, view in enumerate(views):
-        for offset in range(0, len(view), LINK_BYTES_CHUNK):
-            last = i == len(views) - 1 and offset + LINK_BYTES_CHUNK >= len(view)
-            body = view[offset : offset + LINK_BYTES_CHUNK]
-            await link.send(kv_frame(FrameType.KV_CHUNK, {"bytes_only": True, "last": last}, body))
+    for i, parts in enumerate(frames):
+        header = {"bytes_only": True, "last": i == len(frames) - 1}
+        await link.send(kv_frame(FrameType.KV_CHUNK, header, BodyParts(parts)))
     await peer.next_ack()
     return time.perf_counter() - start
+
+
+def _byte_frames(views: Sequence[memoryview], frame_bytes: int) -> Iterator[list[memoryview]]:
+    """Consecutive whole views (tensors) up to ``frame_bytes`` per frame, as ``frames_for``."""
+    parts: list[memoryview] = []
+    for view in views:
+        if parts and sum(len(p) for p in parts) + len(view) > frame_bytes:
+            yield parts
+            parts = []
+        parts.append(view)
+    if parts:
+        yield parts
 
 
 @dataclass
@@ -530,9 +544,9 @@ async def measure_case(
     # what a handoff costs in steady state.
     for repeat in range(repeats + 1):
         samples.recording = repeat > 0
-        raw_s = raw_tcp_once(peer.raw_conn(), views)
-        samples.add("raw TCP", raw_s, raw_s, {})
         for path in paths[1:]:
+            raw_s = raw_tcp_once(peer.raw_conn(), views)  # this path's own baseline
+            samples.add("raw TCP", raw_s, raw_s, {})
             if path.strategy is None:
                 seconds = await link_bytes_once(peer, views)
                 samples.add(path.label, seconds, raw_s, {})
@@ -577,10 +591,12 @@ def result_rows(
     samples: Samples,
 ) -> tuple[list[list[Any]], list[list[Any]]]:
     rows, phase_rows = [], []
+    raw_median_s = statistics.median(samples.seconds["raw TCP"])
     for label, seconds in samples.seconds.items():
         rate = nbytes / statistics.median(seconds) / MIB
-        ratio = statistics.median(samples.ratios[label])
-        rows.append([dtype, size_mib, label, round(rate), round(ratio, 2)])
+        ratio = raw_median_s / statistics.median(seconds)
+        paired = statistics.median(samples.ratios[label])
+        rows.append([dtype, size_mib, label, round(rate), round(ratio, 2), round(paired, 2)])
         phases = samples.phases[label]
         if phases and phases[0]:
             phase_rows.append(
@@ -595,7 +611,8 @@ def result_rows(
 def print_rows(rows: list[list[Any]]) -> None:
     for row in rows:
         print(
-            f"{row[0]:>8} {row[1]:>5}Mi {row[2]:>20} {row[3]:>8} MiB/s {row[4]:>6.2f}x raw",
+            f"{row[0]:>8} {row[1]:>5}Mi {row[2]:>20} {row[3]:>8} MiB/s {row[4]:>6.2f}x raw"
+            f" {row[5]:>6.2f}x paired",
             flush=True,
         )
 
@@ -628,12 +645,12 @@ def main() -> None:
     parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--sizes", default="64,256", help="cache sizes in MiB")
     parser.add_argument("--dtypes", default="float32,float16")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lanes", default="2,4", help="link counts for layer-parallel")
     args = parser.parse_args()
     print(
         f"{'dtype':>8} {'size':>7} {'path':>20} {'throughput':>14} {'vs raw TCP':>10}"
-        "  (median; ratio = median of per-repeat ratios)",
+        "  (ratio of median times; paired = median of ratios to the raw run just before)",
         flush=True,
     )
     out = asyncio.run(run(args))
@@ -642,8 +659,9 @@ def main() -> None:
     tables = [
         table(
             f"KV handoff end to end vs raw loopback TCP (same two processes; median of "
-            f"{out['repeats']}; ratio = median per-repeat link/raw)",
-            ["dtype", "MiB", "path", "MiB/s", "x raw TCP"],
+            f"{out['repeats']}; x raw TCP = ratio of median times; paired = median ratio "
+            "to the raw TCP run just before each)",
+            ["dtype", "MiB", "path", "MiB/s", "x raw TCP", "paired"],
             out["rows"],
         ),
         table(
