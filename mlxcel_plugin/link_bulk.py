@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.errors import ProtocolError
 from mlxcel_plugin.frames import BodyParts
 from mlxcel_plugin.handshake import Session
@@ -82,18 +83,19 @@ def _views(body: bytes | bytearray | memoryview | BodyParts) -> tuple[memoryview
     return (memoryview(body).cast("B"),)
 
 
-def record_spans(views: Sequence[memoryview], record_bytes: int) -> Iterator[list[memoryview]]:
-    """The pieces of ``views`` (read back to back) that make up each record of ``record_bytes``.
+def record_spans(views: Sequence[memoryview],
+                 record_bytes: int) -> Iterator[list[tuple[int, memoryview]]]:
+    """(part index, piece) for each piece of ``views`` (back to back) in each record.
 
     Both ends cut a body the same way, so a record boundary needs no framing.
     """
-    pieces: list[memoryview] = []
+    pieces: list[tuple[int, memoryview]] = []
     room = record_bytes
-    for view in views:
+    for index, view in enumerate(views):
         at = 0
         while at < len(view):  # bounded: each pass consumes >= 1 byte of view
             take = min(room, len(view) - at)
-            pieces.append(view[at:at + take])
+            pieces.append((index, view[at:at + take]))
             at, room = at + take, room - take
             if not room:
                 yield pieces
@@ -124,7 +126,7 @@ class BulkChannel:
         out = memoryview(self._out)
         try:
             for pieces in record_spans(_views(body), self.chunk_bytes):
-                n = self._sender.seal_parts_into(pieces, out)
+                n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
                 self._sock.sendall(out[:n])
         except TimeoutError as exc:
             raise BulkTimeout("bulk channel send timed out") from exc
@@ -139,9 +141,17 @@ class BulkChannel:
         link fails with it.
         """
         body = bytearray(n_bytes) if into is None else into
-        for dests in record_spans(_views(body), self.chunk_bytes):
+        views = _views(body)
+        crcs = [0] * len(views) if isinstance(body, BodyParts) and body.checksums else None
+        for pieces in record_spans(views, self.chunk_bytes):
+            dests = [piece for _, piece in pieces]
             record = self._recv_exactly(sum(len(d) for d in dests) + TAG_BYTES)
             self._receiver.open_parts_into(record, dests)
+            if crcs is not None:  # just written: still in cache
+                for index, piece in pieces:
+                    crcs[index] = crc32(piece, crcs[index])
+        if crcs is not None:
+            body.crcs = crcs
         return body
 
     def _recv_exactly(self, size: int) -> memoryview:

@@ -7,8 +7,10 @@ checked against the begin header.
 
 The I/O layer may ask ``chunk_destination`` where a raw (identity-codec)
 chunk's bytes belong before the body arrives, and write the body there — the
-link decrypts straight into the layer buffer. Each tensor's crc32 is taken as
-soon as its last row lands, and each whole layer goes to the engine's adopter
+link decrypts straight into the layer buffer (and may hand over each body's
+crc32, taken as it landed: ``KVMessage.body_crc``). Each tensor's crc32 is
+known as soon as its last row lands — combined from its chunks' landed crcs,
+or read from the buffer — and each whole layer goes to the engine's adopter
 (its own arrays, e.g. MLX) at once, so both overlap the rest of the transfer.
 """
 
@@ -148,7 +150,7 @@ class KVAssembler:
         if self._state == "waiting":
             raise UnexpectedMessage(f"{message.kind!r} before begin")
         if message.kind == "chunk":
-            self._on_chunk(message.header, message.body)
+            self._on_chunk(message.header, message.body, message.body_crc)
         elif message.kind == "end":
             self._on_end(message.header)
         else:
@@ -221,7 +223,7 @@ class KVAssembler:
         layer.reserved[(chunk.tensor, chunk.row)] = chunk.rows
         return self._rows_view(chunk, layer)
 
-    def _on_chunk(self, raw: Any, body: Any) -> None:
+    def _on_chunk(self, raw: Any, body: Any, body_crc: int | None = None) -> None:
         chunk = ChunkHeader.from_dict(raw)
         layer = self._checked_chunk(chunk, len(body))
         if len(body) != chunk.nbytes:
@@ -232,13 +234,16 @@ class KVAssembler:
             del layer.reserved[(chunk.tensor, chunk.row)]
         else:
             self._claim(chunk, layer)
-        if not _occupies(body, self._rows_view(chunk, layer)):
+        in_place = _occupies(body, self._rows_view(chunk, layer))
+        if not in_place:
             self._decode_into(chunk, body, layer.tensors[chunk.tensor])
         self.received_chunks += 1
         self.received_bytes += len(body)
         if self._end is not None and self.received_chunks > self._end.chunks:
             raise UnexpectedMessage(f"more chunks than the {self._end.chunks} declared")
-        if layer.tensor_filled(chunk.tensor, chunk.rows):
+        # A crc taken as the body landed covers these rows' bytes only when it landed here.
+        landed_crc = body_crc if in_place else None
+        if layer.tensor_filled(chunk.tensor, chunk.row, chunk.rows, landed_crc, len(body)):
             self._tensor_complete(chunk.layer, layer, chunk.tensor)
 
     def _checked_chunk(self, chunk: ChunkHeader, body_bytes: int) -> ReceivedLayer:

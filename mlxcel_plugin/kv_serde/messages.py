@@ -33,6 +33,8 @@ class KVMessage:
     header: dict[str, Any]
     body: Buffer = b""
     lane: int = 0  # which link carries it (LayerParallel); 0 for single-link strategies
+    # Receiving: the body's crc32 as the link took it while decrypting it in place (else None).
+    body_crc: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlxcel_plugin.checksum import crc32, crc32_combine
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
-from mlxcel_plugin.kv_serde.checksum import crc32
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
 from mlxcel_plugin.kv_serde.messages import TENSORS, LayerDescriptor
 
@@ -31,6 +31,8 @@ class ReceivedLayer:
     # (tensor, row) -> rows of a chunk whose body is being written in place.
     reserved: dict[tuple[str, int], int] = field(default_factory=dict)
     crcs: dict[str, int] = field(default_factory=dict)  # of each tensor once it is complete
+    # tensor -> {row: (crc32, bytes)} of chunks whose crc was taken as they landed in place.
+    landed_crcs: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
     adopted: CacheLayer | None = None
 
     @property
@@ -47,14 +49,32 @@ class ReceivedLayer:
         flat = array.reshape(-1, array.shape[-1])
         return memoryview(flat[row : row + rows]).cast("B")
 
-    def tensor_filled(self, tensor: str, rows: int) -> bool:
-        """Count ``rows`` more rows of ``tensor``; True when it just became whole (checksummed)."""
+    def tensor_filled(self, tensor: str, row: int, rows: int, landed_crc: int | None = None,
+                      nbytes: int = 0) -> bool:
+        """Count rows ``[row, row + rows)`` of ``tensor`` in; True when it just became whole.
+
+        ``landed_crc`` is those rows' crc32 (``nbytes`` long), taken where they
+        landed in this layer's buffer; when every chunk of a tensor has one,
+        its checksum is combined from them instead of reading the tensor again.
+        """
+        if landed_crc is not None:
+            self.landed_crcs.setdefault(tensor, {})[row] = (landed_crc, nbytes)
         self.rows_left[tensor] -= rows
         if self.rows_left[tensor]:
             return False
         # As soon as it is whole: the checksum overlaps the rest of the transfer.
-        self.crcs[tensor] = crc32(memoryview(self.tensors[tensor]).cast("B"))
+        self.crcs[tensor] = self._tensor_crc(tensor)
         return True
+
+    def _tensor_crc(self, tensor: str) -> int:
+        data = memoryview(self.tensors[tensor]).cast("B")
+        landed = self.landed_crcs.pop(tensor, {})
+        if crc32_combine is None or sum(n for _, n in landed.values()) != data.nbytes:
+            return crc32(data)
+        crc = 0
+        for _, (part_crc, nbytes) in sorted(landed.items()):  # in row order
+            crc = crc32_combine(crc, part_crc, nbytes)
+        return crc
 
     def cache_layer(self) -> CacheLayer:
         if self.adopted is not None:

@@ -6,10 +6,10 @@ import dataclasses
 
 import numpy as np
 
+from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec, storage_dtype
 from mlxcel_plugin.kv_codecs.base import raw_view
-from mlxcel_plugin.kv_serde.checksum import crc32
 from mlxcel_plugin.kv_serde.errors import (
     FingerprintMismatch,
     LayerCountMismatch,

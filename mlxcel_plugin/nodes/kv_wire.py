@@ -112,7 +112,8 @@ def chunk_destinations(
 
     Chunks without a place (say, compressed) get fresh buffers of their own;
     None when no chunk has a place or the header does not describe the body
-    (the frame's feed then refuses it).
+    (the frame's feed then refuses it). The parts ask for checksums, which
+    ``frame_to_messages`` hands on as each chunk's ``body_crc``.
     """
     try:
         chunks = chunk_headers(header)
@@ -128,7 +129,8 @@ def chunk_destinations(
         p if p is not None and len(p) == size else memoryview(bytearray(size))
         for p, size in zip(places, sizes, strict=True)
     ]
-    return views[0] if len(views) == 1 else BodyParts(views)
+    # The bulk channel takes each chunk's crc32 as it lands, so no pass re-reads the bytes.
+    return BodyParts(views, checksums=True)
 
 
 def frame_to_messages(frame: Frame) -> list[KVMessage]:
@@ -136,11 +138,31 @@ def frame_to_messages(frame: Frame) -> list[KVMessage]:
     kind = TYPE_TO_KIND.get(frame.type)
     if kind is None:
         raise MalformedHandoff(f"{frame.type.name} is not a KV frame")
-    if kind != "chunk" or CHUNKS_KEY not in frame.header:
+    if kind != "chunk":
         return [KVMessage(kind, frame.header, frame.body)]
-    chunks = chunk_headers(frame.header)
-    bodies = _split_body(frame.body, declared_sizes(chunks))
-    return [KVMessage("chunk", chunk, body) for chunk, body in zip(chunks, bodies, strict=True)]
+    if CHUNKS_KEY not in frame.header:  # one chunk: its body as it came (the assembler checks it)
+        chunks, bodies = [frame.header], [_one_body(frame.body)]
+    else:
+        chunks = chunk_headers(frame.header)
+        bodies = _split_body(frame.body, declared_sizes(chunks))
+    crcs = _landed_crcs(frame.body, bodies)
+    return [
+        KVMessage("chunk", chunk, body, body_crc=crc)
+        for chunk, body, crc in zip(chunks, bodies, crcs, strict=True)
+    ]
+
+
+def _landed_crcs(body: Body, bodies: list[Body]) -> list[int | None]:
+    """Each chunk's crc32 as the link took it, when it scattered the body chunk by chunk."""
+    if isinstance(body, BodyParts) and body.crcs is not None and len(body.crcs) == len(bodies):
+        return list(body.crcs)
+    return [None] * len(bodies)
+
+
+def _one_body(body: Body) -> Body:
+    if isinstance(body, BodyParts):
+        return body.views[0] if len(body.views) == 1 else bytes(body)
+    return body
 
 
 def _split_body(body: Body, sizes: list[int] | None) -> list[Body]:

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
+from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.engine_api import CacheLayer, kv_buffer_maker, layer_adopter
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import (
@@ -17,7 +18,6 @@ from mlxcel_plugin.kv_serde import (
     ReceiveMemory,
     SerializableCacheState,
 )
-from mlxcel_plugin.kv_serde.checksum import crc32
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
     make_cache,
@@ -209,3 +209,44 @@ def test_checksum_is_zlibs_crc32(size):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     assert crc32(data) == zlib.crc32(data)
     assert crc32(data[size // 2 :], crc32(data[: size // 2])) == zlib.crc32(data)
+
+
+def land_all(assembler, messages, crc_of=zlib.crc32):
+    """Feed as the decode node does: raw chunk bodies written in place, with their landed crc."""
+    state = None
+    for message in messages:
+        into = assembler.chunk_destination(message.header) if message.kind == "chunk" else None
+        if into is not None:
+            into[:] = message.body
+            message = dataclasses.replace(message, body=into, body_crc=crc_of(message.body))
+        state = assembler.feed(message) or state
+    return state
+
+
+@pytest.mark.parametrize("combine", [True, False], ids=["combined", "isal-missing"])
+def test_tensor_checksums_combine_the_crcs_taken_as_chunks_landed(monkeypatch, combine):
+    from mlxcel_plugin.kv_serde import received_layer
+
+    if not combine:
+        monkeypatch.setattr(received_layer, "crc32_combine", None)
+    messages, cache = handoff()  # 8 KiB chunks: several per tensor
+    assert sum(m.kind == "chunk" for m in messages) > 2 * FP.num_layers
+    state = land_all(KVAssembler(FP, CODECS), messages)
+    assert_caches_equal(state.cache, cache)
+
+
+def test_a_landed_crc_that_disagrees_with_the_sender_fails_the_handoff():
+    from mlxcel_plugin.kv_serde import ChecksumMismatch
+
+    messages, _ = handoff()
+    with pytest.raises(ChecksumMismatch):
+        land_all(KVAssembler(FP, CODECS), messages, crc_of=lambda body: zlib.crc32(body) ^ 1)
+
+
+def test_a_crc_for_a_body_that_did_not_land_in_place_is_not_trusted():
+    messages, cache = handoff()
+    assembler = KVAssembler(FP, CODECS)
+    state = None
+    for message in messages:  # bodies elsewhere: copied into place, crc read from the buffer
+        state = assembler.feed(dataclasses.replace(message, body_crc=12345)) or state
+    assert_caches_equal(state.cache, cache)

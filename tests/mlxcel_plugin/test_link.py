@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -117,8 +118,8 @@ def test_a_body_sink_receives_bulk_bodies_in_its_own_buffer():
 
 def test_record_spans_cut_parts_into_records_of_the_record_size():
     views = [memoryview(bytes(n)) for n in (5, 0, 2, 9)]
-    spans = [[len(piece) for piece in pieces] for pieces in record_spans(views, 4)]
-    assert spans == [[4], [1, 2, 1], [4], [4]]
+    spans = [[(i, len(piece)) for i, piece in pieces] for pieces in record_spans(views, 4)]
+    assert spans == [[(0, 4)], [(0, 1), (2, 2), (3, 1)], [(3, 4)], [(3, 4)]]
     assert list(record_spans([memoryview(b"")], 4)) == []
 
 
@@ -132,7 +133,9 @@ def test_a_body_in_parts_is_gathered_and_scattered_across_record_boundaries(bulk
         received = asyncio.Queue()
 
         async def take(link):
-            link.set_body_sink(lambda *_: BodyParts([memoryview(b) for b in landing]))
+            link.set_body_sink(
+                lambda *_: BodyParts([memoryview(b) for b in landing], checksums=True)
+            )
             async for frame in link:
                 await received.put(frame)
 
@@ -143,9 +146,10 @@ def test_a_body_in_parts_is_gathered_and_scattered_across_record_boundaries(bulk
             await link.send(Frame(FrameType.KV_CHUNK, {"n": 1}, b"after"))
             frame = await received.get()
             assert bytes(frame.body) == b"".join(parts) and len(frame.body) == sum(sizes)
-            if bulk:  # the sink's buffers got the bytes, part by part
+            if bulk:  # the sink's buffers got the bytes, part by part, and their crc32s
                 assert isinstance(frame.body, BodyParts)
                 assert [bytes(b) for b in landing] == parts
+                assert frame.body.crcs == [zlib.crc32(p) for p in parts]
             assert bytes((await received.get()).body) == b"after"
             await link.close()
 

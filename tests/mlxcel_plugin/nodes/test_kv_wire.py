@@ -99,3 +99,18 @@ def test_a_joined_frame_whose_chunks_do_not_describe_its_body_is_refused(chunks)
     bad = type(frame)(frame.type, dict(frame.header, chunks=chunks), memoryview(b"abcde"))
     with pytest.raises(MalformedHandoff):
         frame_to_messages(bad)
+
+
+def test_the_crcs_the_link_took_as_chunks_landed_travel_with_each_chunk():
+    (_, frame), = frames_for([chunk(0, b"abc"), chunk(1, b"de")])
+    into = chunk_destinations(lambda h: memoryview(bytearray(h["nbytes"])), frame.header, 5)
+    assert into.checksums and into.crcs is None  # asked of the link, not yet taken
+    received = type(frame)(frame.type, frame.header, into)
+    assert [m.body_crc for m in frame_to_messages(received)] == [None, None]
+    into.crcs = [11, 22]  # as the bulk channel sets them once every part is in
+    assert [m.body_crc for m in frame_to_messages(received)] == [11, 22]
+    single = message_to_frame(chunk(0, b"abc"))
+    one = chunk_destinations(lambda h: memoryview(bytearray(3)), single.header, 3)
+    one.crcs = [33]
+    (message,) = frame_to_messages(type(single)(single.type, single.header, one))
+    assert message.body_crc == 33 and len(message.body) == 3
