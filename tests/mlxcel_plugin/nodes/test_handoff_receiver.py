@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mlxcel_plugin.frames import BodyParts, FrameType
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import SerializableCacheState
@@ -20,10 +22,13 @@ FP = make_fingerprint(num_layers=3, kv_heads=2, head_dim=64, dtype="float16")
 LINK = object()  # feed only uses the link as a key
 
 
-def frames_for(codec="none", handoff_id="h1"):
+def frames_for(codec="none", handoff_id="h1", joined=False):
+    """The handoff's frames: one chunk per frame, or as a prefill node joins them (two here)."""
     header = make_header(FP, 40, codec=codec, handoff_id=handoff_id)
     cache = make_cache(FP, 40)
     messages = SerializableCacheState(header, cache).to_messages(resolve_codec(codec, CODECS), 2048)
+    if joined:
+        return [frame for _, frame in kv_wire.frames_for(messages, max_chunk_bytes=4096)], cache
     return [message_to_frame(m) for m in messages], cache
 
 
@@ -48,18 +53,12 @@ def _write(into, body: bytes) -> None:
         at += len(view)
 
 
-def joined_frames(codec="none"):
-    """The handoff as a prefill node frames it: chunks share frames (two per frame here)."""
-    header = make_header(FP, 40, codec=codec, handoff_id="h1")
-    cache = make_cache(FP, 40)
-    messages = SerializableCacheState(header, cache).to_messages(resolve_codec(codec, CODECS), 2048)
-    return [frame for _, frame in kv_wire.frames_for(messages, max_chunk_bytes=4096)], cache
-
-
-def test_chunks_sharing_a_frame_are_each_placed_in_their_layer_buffers():
+@pytest.mark.parametrize("joined", [False, True], ids=["chunk-per-frame", "joined"])
+def test_bodies_are_placed_in_the_handoff_buffers_and_the_cache_is_exact(joined):
     receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
-    frames, cache = joined_frames()
-    assert any(kv_wire.CHUNKS_KEY in f.header for f in frames)
+    frames, cache = frames_for(joined=joined)
+    chunk_frames = [f for f in frames if f.type is FrameType.KV_CHUNK]
+    assert any(kv_wire.CHUNKS_KEY in f.header for f in chunk_frames) is joined
     outcome, placed = deliver(receiver, frames)
     assert isinstance(outcome, Completed) and placed == len(frames) - 2
     assert_caches_equal(outcome.state.cache, cache)
@@ -67,7 +66,7 @@ def test_chunks_sharing_a_frame_are_each_placed_in_their_layer_buffers():
 
 def test_a_joined_frame_that_lies_about_its_chunks_refuses_the_handoff():
     receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
-    frames, _ = joined_frames()
+    frames, _ = frames_for(joined=True)
     joined = next(i for i, f in enumerate(frames) if kv_wire.CHUNKS_KEY in f.header)
     chunks = [dict(c) for c in frames[joined].header[kv_wire.CHUNKS_KEY]]
     chunks[0]["nbytes"] += 1
@@ -76,14 +75,6 @@ def test_a_joined_frame_that_lies_about_its_chunks_refuses_the_handoff():
     outcome, _ = deliver(receiver, frames[: joined + 1])
     assert isinstance(outcome, Refused) and outcome.error.code == "handoff_malformed"
     assert receiver.allocated_bytes == 0 and not receiver.ingests
-
-
-def test_bodies_are_placed_in_the_handoff_buffers_and_the_cache_is_exact():
-    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None)
-    frames, cache = frames_for()
-    outcome, placed = deliver(receiver, frames)
-    assert isinstance(outcome, Completed) and placed == len(frames) - 2
-    assert_caches_equal(outcome.state.cache, cache)
 
 
 def test_only_known_handoffs_and_raw_chunks_get_a_destination():
