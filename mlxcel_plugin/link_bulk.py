@@ -137,8 +137,9 @@ class BulkChannel:
 
         ``into`` (writable buffers of ``n_bytes`` in all: one, or a BodyParts
         to scatter into) receives the plaintext and is returned; otherwise a
-        fresh buffer does. A record that fails authentication raises, and the
-        link fails with it.
+        fresh buffer does. A BodyParts asking for ``checksums`` gets each
+        part's crc32, taken right after each record's bytes are decrypted. A
+        record that fails authentication raises, and the link fails with it.
         """
         body = bytearray(n_bytes) if into is None else into
         views = _views(body)
