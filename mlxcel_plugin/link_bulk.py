@@ -30,9 +30,9 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from mlxcel_plugin.body_parts import BodyParts
 from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import BodyParts
 from mlxcel_plugin.handshake import Session
 from mlxcel_plugin.records import TAG_BYTES, RecordReceiver, RecordSender
 

@@ -63,12 +63,14 @@ def frames_for(
     """(lane, frame) for each frame, in order: consecutive chunks on one lane share a frame."""
     out: list[tuple[int, Frame]] = []
     run: list[KVMessage] = []
+    run_bytes = 0
     for message in messages:
-        if run and not _joins(run, message, max_chunk_bytes):
+        if run and not _joins(run, run_bytes, message, max_chunk_bytes):
             out.append((run[0].lane, chunks_frame(run)))
-            run = []
+            run, run_bytes = [], 0
         if message.kind == "chunk":
             run.append(message)
+            run_bytes += len(message.body)
         else:
             out.append((message.lane, message_to_frame(message, first_token)))
     if run:
@@ -76,14 +78,14 @@ def frames_for(
     return out
 
 
-def _joins(run: list[KVMessage], message: KVMessage, max_chunk_bytes: int) -> bool:
+def _joins(run: list[KVMessage], run_bytes: int, message: KVMessage, max_chunk_bytes: int) -> bool:
     head = run[0]
     return (
         message.kind == "chunk"
         and message.lane == head.lane
         and message.header.get("handoff_id") == head.header.get("handoff_id")
         and len(run) < FRAME_MAX_CHUNKS
-        and sum(len(m.body) for m in run) + len(message.body) <= max_chunk_bytes
+        and run_bytes + len(message.body) <= max_chunk_bytes
     )
 
 
