@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,8 +24,24 @@ from mlxcel_plugin.secret import generate_secret_file
 LOOPBACK = "127.0.0.1"
 
 
+# Below the kernels' ephemeral ranges (Linux 32768+, macOS 49152+): between our pick and the
+# node's bind, no ephemeral port the kernel hands out (a bulk listener's, an outgoing
+# connection's local end) can be the one we picked.
+_PICK_PORTS = range(20000, 32768)
+_PICK_ATTEMPTS = 64
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free now, for a node started next to bind."""
+    for _ in range(_PICK_ATTEMPTS):  # bounded: a few ports in the range are ever taken
+        port = random.choice(_PICK_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as sock:  # that range is busy here: let the kernel pick
         sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
 
