@@ -65,9 +65,9 @@ from mlxcel_plugin.link_bulk import SOCKET_BUFFER_BYTES
 from mlxcel_plugin.link_dial import dial_link
 from mlxcel_plugin.link_server import serve_links
 from mlxcel_plugin.nodes.kv_wire import (
-    FIRST_TOKEN_KEY,
     FRAME_CHUNK_BYTES,
     chunk_destinations,
+    end_first_token,
     frame_to_messages,
     frames_for,
 )
@@ -91,9 +91,6 @@ ACK_TIMEOUT_S = 120.0
 _LEN = struct.Struct(">Q")
 STRATEGIES = {FULL: FullTransfer, STREAMED: StreamedTransfer, LAYER_PARALLEL: LayerParallelTransfer}
 CODECS = builtin_codecs()
-# A streamed handoff's begin goes out before prefill samples the first token; like the
-# prefill node, the token then travels with KV_END (the receiver prefers it).
-END_FIRST_TOKEN = FIRST_TOKEN_KEY
 
 
 # ---------------------------------------------------------------- receiver process
@@ -175,8 +172,8 @@ class KVSink:
             state = ingest.assembler.feed(message)
         elapsed = time.perf_counter() - start
         ingest.feed_s += elapsed
-        if frame.type is FrameType.KV_END and END_FIRST_TOKEN in frame.header:
-            ingest.first_token = int(frame.header[END_FIRST_TOKEN])
+        if frame.type is FrameType.KV_END:
+            ingest.first_token = end_first_token(frame)
         if state is None:
             return None
         del self.ingests[handoff_id]
@@ -423,11 +420,13 @@ async def link_bytes_once(peer: Peer, views: Sequence[memoryview]) -> float:
 def _byte_frames(views: Sequence[memoryview], frame_bytes: int) -> Iterator[list[memoryview]]:
     """Consecutive whole views (tensors) up to ``frame_bytes`` per frame, as ``frames_for``."""
     parts: list[memoryview] = []
+    held = 0
     for view in views:
-        if parts and sum(len(p) for p in parts) + len(view) > frame_bytes:
+        if parts and held + len(view) > frame_bytes:
             yield parts
-            parts = []
+            parts, held = [], 0
         parts.append(view)
+        held += len(view)
     if parts:
         yield parts
 

@@ -40,7 +40,6 @@ SECRET = bytes(range(100, 132))
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 120.0
 CASE_TIMEOUT_S = 120.0
-END_FIRST_TOKEN = "first_token"  # a streamed begin precedes the first token; KV_END carries it
 REPO = Path(__file__).resolve().parents[2]
 
 STRATEGIES = ("full", "streamed", "layer-parallel")
@@ -98,7 +97,7 @@ async def _decode_main(model: str) -> None:
     from mlxcel_plugin.kv_codecs import builtin_codecs
     from mlxcel_plugin.kv_serde import KVAssembler, ModelFingerprint
     from mlxcel_plugin.link_server import serve_links
-    from mlxcel_plugin.nodes.kv_wire import KV_TYPES, frame_to_messages
+    from mlxcel_plugin.nodes.kv_wire import KV_TYPES, end_first_token, frame_to_messages
 
     engine = _load_engine(model)
     local = ModelFingerprint.from_dict(engine.info.fingerprint)
@@ -126,7 +125,7 @@ async def _decode_main(model: str) -> None:
                 continue
             handoff_id = str(frame.header["handoff_id"])
             if frame.type is FrameType.KV_END:
-                first_tokens[handoff_id] = int(frame.header[END_FIRST_TOKEN])
+                first_tokens[handoff_id] = end_first_token(frame)
             if handoff_id not in assemblers:  # layers go into MLX as they complete, as on a node
                 assemblers[handoff_id] = KVAssembler(local, codecs, adopt=layer_adopter(engine))
             assembler = assemblers[handoff_id]
