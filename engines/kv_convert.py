@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import HandoffError
 
@@ -85,21 +86,20 @@ def keep_freed_buffers(kv_memory_bytes: int) -> int:
 
 
 def kv_buffers(
-    shape: tuple[int, ...], dtype: np.dtype, count: int, stream: mx.Stream
+    shape: tuple[int, ...], dtype: np.dtype, count: int, carver: SlabCarver
 ) -> list[np.ndarray]:
     """Fresh MLX arrays' memory as writable numpy views (what ``adopt_layer`` takes back).
 
     Why: received K/V decrypted straight into MLX memory skips the copy into
-    MLX per layer (256 MiB: ~30 ms copying, ~14 ms zero-filling reused buffers).
-    One evaluation for all ``count`` (a layer's K and V): each costs a round
-    trip to the stream's thread. ``stream`` must not be the engine's:
-    evaluating the fill there would wait for the running decode step.
+    MLX per layer (256 MiB: ~30 ms copying), and the arrays are neither
+    filled first nor allocated one by one (``unfilled``). The carver's stream
+    must not be the engine's: an allocation there would wait for the running
+    decode step.
     """
     storage = _MX_STORAGE.get(np.dtype(dtype))
     if storage is None:
         raise HandoffError(f"unsupported KV storage dtype {np.dtype(dtype)}")
-    arrays = [mx.zeros(shape, dtype=storage, stream=stream) for _ in range(count)]
-    mx.eval(arrays)
+    arrays = carver.arrays(shape, np.dtype(dtype), storage, count)
     return [np.array(array, copy=False) for array in arrays]
 
 

@@ -27,6 +27,7 @@ from engines.decode_batch import DecodeBatch, Sequence
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import run_prefill
 from engines.sampling import TokenSampler
+from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -120,7 +121,7 @@ class MlxEngine:
         self._batch = DecodeBatch(model)
         self._tokens_per_s = 0.0
         self._stats = EngineStats(free_kv_fraction=1.0)
-        self._buffer_stream: mx.Stream | None = None  # kv_buffers' own, off the engine stream
+        self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
 
     @classmethod
     def from_path(cls, model_path: str, config: EngineConfig) -> MlxEngine:
@@ -169,9 +170,9 @@ class MlxEngine:
 
     def kv_buffers(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Receive memory inside MLX, for the caller's thread (engine_api.Engine)."""
-        if self._buffer_stream is None:
-            self._buffer_stream = mx.new_stream(mx.cpu)
-        return kv_convert.kv_buffers(shape, dtype, count, self._buffer_stream)
+        if self._carver is None:
+            self._carver = SlabCarver(mx.new_stream(mx.cpu))
+        return kv_convert.kv_buffers(shape, dtype, count, self._carver)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))

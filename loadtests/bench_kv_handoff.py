@@ -49,8 +49,10 @@ from typing import Any
 from bench_common import add_common_args, bench_result, table, write_json
 
 from engines import kv_convert
+from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
 from mlxcel_plugin.frames import BodyParts, Frame, FrameType, kv_frame
+from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
     HandoffHeader,
@@ -293,8 +295,9 @@ def receiver_main(port_q: Any) -> None:
     kv_convert.keep_freed_buffers(EngineConfig().kv_memory_bytes)  # as MlxEngine.start does
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=_raw_server, args=(listener,), daemon=True).start()
-    stream = mx.new_stream(mx.cpu)  # as MlxEngine.kv_buffers: K/V land in MLX memory
-    sink = KVSink(lambda shape, dtype, count: kv_convert.kv_buffers(shape, dtype, count, stream))
+    carver = SlabCarver(mx.new_stream(mx.cpu))  # as MlxEngine.kv_buffers: K/V in MLX memory
+    sink = KVSink(lambda shape, dtype, count: kv_convert.kv_buffers(shape, dtype, count, carver))
+    freeze_startup_heap()  # as a node does before serving
 
     async def main() -> None:
         server = await serve_links(
@@ -622,6 +625,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     repeats = 4 if args.quick else args.repeats
     paths = paths_for([int(n) for n in args.lanes.split(",")])
     peer = start_peer()
+    freeze_startup_heap()  # as the prefill node does before serving
     rows: list[list[Any]] = []
     phase_rows: list[list[Any]] = []
     series: dict[str, list[float]] = {}

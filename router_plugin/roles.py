@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from mlxcel_plugin.config import dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine
 from mlxcel_plugin.errors import ConfigError
+from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.secret import require_cluster_secret
 from mlxcel_plugin.stream_bridge import DECODE, PREFILL
@@ -152,6 +153,7 @@ def run_router(config: Any, registry: PluginRegistry) -> None:
 
 
 def _serve(app: FastAPI, config: Any) -> None:
+    freeze_startup_heap()  # imports and the app: full GC passes stay short
     uvicorn.run(
         app,
         host=config.host,

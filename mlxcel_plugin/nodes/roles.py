@@ -19,6 +19,7 @@ from typing import Any
 
 from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine, EngineConfig
+from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import Link, LinkConfig
 from mlxcel_plugin.link_server import serve_links
@@ -169,6 +170,7 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
     # start() may warm up for seconds: keep the loop free (signals) meanwhile.
     await asyncio.to_thread(engine.start)
     node = build()
+    freeze_startup_heap()  # the model, tokenizer and imports: never scanned again
     settings = node_settings(config)
     on_link = _with_telemetry(node.serve, node.telemetry, settings.telemetry_interval_s)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,

@@ -13,6 +13,7 @@ from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.model_loader import load_mlx_model
 from engines.prefill import run_prefill
+from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import HandoffError
 
@@ -111,8 +112,8 @@ def test_an_adopted_layer_holds_mlx_arrays_and_rebuilds_the_same_cache(dtype):
 def test_a_layer_received_into_kv_buffers_is_adopted_without_a_copy(dtype):
     cache = filled_kv_cache(dtype)
     sent = kv_convert.to_cache_layer(cache)
-    stream = mx.new_stream(mx.cpu)
-    keys, values = kv_convert.kv_buffers(sent.keys.shape, sent.keys.dtype, 2, stream)
+    carver = SlabCarver(mx.new_stream(mx.cpu))
+    keys, values = kv_convert.kv_buffers(sent.keys.shape, sent.keys.dtype, 2, carver)
     keys[...], values[...] = sent.keys, sent.values  # what the link's decrypt does
     adopted = kv_convert.adopt_layer(dataclasses.replace(sent, keys=keys, values=values))
     assert adopted.keys is keys.base.obj and adopted.values is values.base.obj
@@ -125,7 +126,8 @@ def test_a_layer_received_into_kv_buffers_is_adopted_without_a_copy(dtype):
 
 
 def test_a_view_of_part_of_a_kv_buffer_is_copied_not_taken_whole():
-    (whole,) = kv_convert.kv_buffers((1, 2, 8, 4), np.dtype(np.float32), 1, mx.new_stream(mx.cpu))
+    carver = SlabCarver(mx.new_stream(mx.cpu))
+    (whole,) = kv_convert.kv_buffers((1, 2, 8, 4), np.dtype(np.float32), 1, carver)
     whole[...] = np.arange(whole.size, dtype=np.float32).reshape(whole.shape)
     part = whole[:, :, :3]
     layer = CacheLayer("KVCache", part, part, "float32", 3)
@@ -136,7 +138,7 @@ def test_a_view_of_part_of_a_kv_buffer_is_copied_not_taken_whole():
 
 def test_kv_buffers_refuses_a_dtype_mlx_cannot_hold_as_kv():
     with pytest.raises(HandoffError, match="storage dtype"):
-        kv_convert.kv_buffers((1, 1, 1, 4), np.dtype(np.int64), 1, mx.new_stream(mx.cpu))
+        kv_convert.kv_buffers((1, 1, 1, 4), np.dtype(np.int64), 1, SlabCarver(mx.new_stream(mx.cpu)))
 
 
 def _fingerprint(dtype: mx.Dtype) -> dict:
