@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engines.unfilled import SlabCarver
+from engines.unfilled import SlabCarver, mlx_view
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import HandoffError
 
@@ -99,17 +99,17 @@ def kv_buffers(
     storage = _MX_STORAGE.get(np.dtype(dtype))
     if storage is None:
         raise HandoffError(f"unsupported KV storage dtype {np.dtype(dtype)}")
-    arrays = carver.arrays(shape, np.dtype(dtype), storage, count)
-    return [np.array(array, copy=False) for array in arrays]
+    return carver.buffers(shape, np.dtype(dtype), storage, count)
 
 
 def adopt_layer(layer: CacheLayer) -> CacheLayer:
     """The layer with its K/V as MLX arrays (storage dtype: bf16 stays uint16).
 
-    Tensors received into ``kv_buffers`` memory are that MLX array already;
-    others are copied. Safe off the engine thread: ``mx.array`` of a numpy
-    buffer copies at construction and schedules no MLX work; the bf16 view
-    waits for ``from_cache_layer`` on the engine thread.
+    Tensors received into ``kv_buffers`` memory become views of that MLX
+    memory; others are copied. Safe off the engine thread: neither the lazy
+    view nor ``mx.array`` of a numpy buffer (it copies at construction)
+    schedules MLX work; the bf16 view waits for ``from_cache_layer`` on the
+    engine thread.
     """
     if layer.dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
@@ -120,10 +120,8 @@ def _as_mlx(x: np.ndarray | mx.array) -> mx.array:
     """The MLX array a ``kv_buffers`` view shows, else a copy of ``x`` into MLX."""
     if isinstance(x, mx.array):
         return x
-    owner = x.base.obj if isinstance(x.base, memoryview) else None
-    if isinstance(owner, mx.array) and tuple(owner.shape) == x.shape and owner.nbytes == x.nbytes:
-        return owner
-    return mx.array(x)
+    view = mlx_view(x)
+    return mx.array(x) if view is None else view
 
 
 def _to_mlx(x: np.ndarray | mx.array, dtype: str) -> mx.array:

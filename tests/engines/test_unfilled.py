@@ -1,4 +1,4 @@
-"""SlabCarver: unfilled MLX arrays as views of shared slabs."""
+"""SlabCarver: unfilled MLX memory handed out as numpy views; mlx_view maps them back."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engines import unfilled
-from engines.unfilled import SlabCarver, unfilled_vector
+from engines.unfilled import SlabCarver, mlx_view, unfilled_vector
 
 
 @pytest.fixture
@@ -17,53 +17,59 @@ def carver() -> SlabCarver:
     return SlabCarver(mx.new_stream(mx.cpu), slab_bytes=1 << 20)
 
 
-def _address(array: mx.array) -> int:
-    return np.array(array, copy=False).ctypes.data
+def _span(buffer: np.ndarray) -> range:
+    return range(buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes)
 
 
-def _span(array: mx.array) -> range:
-    start = _address(array)
-    return range(start, start + array.nbytes)
-
-
-def test_carved_arrays_have_the_shape_and_dtype_asked_and_do_not_overlap(carver):
-    arrays = carver.arrays((1, 3, 50, 8), np.dtype(np.float16), mx.float16, 2)
-    arrays += carver.arrays((1, 3, 7, 8), np.dtype(np.float16), mx.float16, 2)
-    assert [a.shape for a in arrays] == [(1, 3, 50, 8)] * 2 + [(1, 3, 7, 8)] * 2
-    assert all(a.dtype == mx.float16 for a in arrays)
-    spans = sorted((_span(a) for a in arrays), key=lambda r: r.start)
+def test_carved_buffers_have_the_shape_and_dtype_asked_and_do_not_overlap(carver):
+    buffers = carver.buffers((1, 3, 50, 8), np.dtype(np.float16), mx.float16, 2)
+    buffers += carver.buffers((1, 3, 7, 8), np.dtype(np.float16), mx.float16, 2)
+    assert [b.shape for b in buffers] == [(1, 3, 50, 8)] * 2 + [(1, 3, 7, 8)] * 2
+    assert all(b.dtype == np.float16 and b.flags.writeable and b.flags.c_contiguous
+               for b in buffers)
+    spans = sorted((_span(b) for b in buffers), key=lambda r: r.start)
     assert all(a.stop <= b.start for a, b in zip(spans, spans[1:]))
-    # One slab: every view starts a whole number of pages after the first.
+    # One slab: every buffer starts a whole number of pages after the first.
     assert all((s.start - spans[0].start) % 4096 == 0 for s in spans)
 
 
-def test_writes_through_the_numpy_view_are_what_mlx_reads(carver):
-    first, second = carver.arrays((2, 5), np.dtype(np.float32), mx.float32, 2)
-    np.array(first, copy=False)[...] = np.arange(10, dtype=np.float32).reshape(2, 5)
-    np.array(second, copy=False)[...] = -1
-    assert np.array_equal(np.array(first), np.arange(10, dtype=np.float32).reshape(2, 5))
-    assert float(mx.sum(second).item()) == -10.0
+def test_mlx_reads_what_was_written_through_the_buffers_without_a_copy(carver):
+    first, second = carver.buffers((2, 5), np.dtype(np.float32), mx.float32, 2)
+    first[...] = np.arange(10, dtype=np.float32).reshape(2, 5)
+    second[...] = -1
+    a, b = mlx_view(first), mlx_view(second)
+    assert a.shape == (2, 5) and a.dtype == mx.float32
+    assert np.array_equal(np.array(a), first) and float(mx.sum(b).item()) == -10.0
+    assert np.array(b, copy=False).ctypes.data == second.ctypes.data  # the same memory
 
 
-def test_small_requests_share_a_slab_and_a_full_slab_is_replaced(carver):
-    a, b = carver.arrays((1024,), np.dtype(np.uint16), mx.uint16, 2)
-    assert abs(_address(b) - _address(a)) < (1 << 20)  # same slab, next page
-    (big,) = carver.arrays((600 * 1024,), np.dtype(np.uint16), mx.uint16, 1)  # 1.2 MiB > slab
+def test_a_full_slab_is_replaced_and_large_requests_get_their_own(carver):
+    a, b = carver.buffers((1024,), np.dtype(np.uint16), mx.uint16, 2)
+    (big,) = carver.buffers((600 * 1024,), np.dtype(np.uint16), mx.uint16, 1)  # 1.2 MiB > slab
+    (after,) = carver.buffers((1024,), np.dtype(np.uint16), mx.uint16, 1)
     assert big.shape == (600 * 1024,)
-    (after,) = carver.arrays((1024,), np.dtype(np.uint16), mx.uint16, 1)
-    assert _address(after) not in _span(a) and _address(after) not in _span(b)
+    assert len({_span(x).start for x in (a, b, big, after)}) == 4
+    assert after.ctypes.data not in _span(a) and after.ctypes.data not in _span(big)
 
 
 def test_a_slab_lives_while_any_view_of_it_does(carver):
-    keep, drop = carver.arrays((4096,), np.dtype(np.float32), mx.float32, 2)
-    np.array(keep, copy=False)[...] = 7
-    del drop
-    carver.arrays((300 * 1024,), np.dtype(np.float32), mx.float32, 1)  # moves to a new slab
+    keep, drop = carver.buffers((4096,), np.dtype(np.float32), mx.float32, 2)
+    keep[...] = 7
+    kept = mlx_view(keep)
+    del keep, drop
+    carver.buffers((300 * 1024,), np.dtype(np.float32), mx.float32, 1)  # moves to a new slab
     gc.collect()
-    assert float(mx.max(keep).item()) == 7.0 and float(mx.min(keep).item()) == 7.0
+    assert float(mx.max(kept).item()) == 7.0 and float(mx.min(kept).item()) == 7.0
 
 
-def test_an_mlx_that_cannot_load_from_a_stream_gets_zero_filled_arrays(monkeypatch):
+def test_mlx_view_refuses_memory_that_is_not_a_contiguous_view_of_mlx():
+    assert mlx_view(np.zeros(4, dtype=np.float32)) is None  # numpy's own memory
+    whole = np.array(mx.zeros((2, 8)), copy=False)
+    assert mlx_view(whole[:, :3]) is None  # strided: a copy, not a view, is right
+    assert mlx_view(whole).shape == (2, 8)
+
+
+def test_an_mlx_that_cannot_load_from_a_stream_gets_zero_filled_memory(monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("[load_npy] Input must be a file-like object, or string")
 
@@ -76,8 +82,7 @@ def test_an_mlx_that_cannot_load_from_a_stream_gets_zero_filled_arrays(monkeypat
 def test_the_header_only_stream_leaves_the_data_bytes_as_found():
     stream = unfilled._HeaderOnly(4, np.dtype(np.float32))
     head = bytearray(128)
-    n = stream.readinto(head)
-    assert head.startswith(b"\x93NUMPY") and n == 128
+    assert stream.readinto(head) == 128 and head.startswith(b"\x93NUMPY")
     data = bytearray(b"\xaa" * 16)
     assert stream.readinto(data) == 16 and data == bytearray(b"\xaa" * 16)
     assert stream.readinto(bytearray(8)) == 0  # past the end
