@@ -102,25 +102,26 @@ def kv_buffers(
     return carver.buffers(shape, np.dtype(dtype), storage, count)
 
 
-def adopt_layer(layer: CacheLayer) -> CacheLayer:
+def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLayer:
     """The layer with its K/V as MLX arrays (storage dtype: bf16 stays uint16).
 
     Tensors received into ``kv_buffers`` memory become views of that MLX
     memory; others are copied. Safe off the engine thread: neither the lazy
     view nor ``mx.array`` of a numpy buffer (it copies at construction)
     schedules MLX work; the bf16 view waits for ``from_cache_layer`` on the
-    engine thread.
+    engine thread. ``stream``: the evaluating thread's (``unfilled.mlx_view``).
     """
     if layer.dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
-    return dataclasses.replace(layer, keys=_as_mlx(layer.keys), values=_as_mlx(layer.values))
+    keys, values = _as_mlx(layer.keys, stream), _as_mlx(layer.values, stream)
+    return dataclasses.replace(layer, keys=keys, values=values)
 
 
-def _as_mlx(x: np.ndarray | mx.array) -> mx.array:
+def _as_mlx(x: np.ndarray | mx.array, stream: mx.Stream | None = None) -> mx.array:
     """The MLX array a ``kv_buffers`` view shows, else a copy of ``x`` into MLX."""
     if isinstance(x, mx.array):
         return x
-    view = mlx_view(x)
+    view = mlx_view(x, stream)
     return mx.array(x) if view is None else view
 
 

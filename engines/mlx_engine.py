@@ -122,6 +122,7 @@ class MlxEngine:
         self._tokens_per_s = 0.0
         self._stats = EngineStats(free_kv_fraction=1.0)
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
+        self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
 
     @classmethod
     def from_path(cls, model_path: str, config: EngineConfig) -> MlxEngine:
@@ -166,7 +167,7 @@ class MlxEngine:
 
     def adopt_layer(self, layer: CacheLayer) -> CacheLayer:
         """A received layer as MLX arrays, on the caller's thread (engine_api.Engine)."""
-        return kv_convert.adopt_layer(layer)
+        return kv_convert.adopt_layer(layer, self._engine_stream)
 
     def kv_buffers(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Receive memory inside MLX, for the caller's thread (engine_api.Engine)."""
@@ -196,6 +197,7 @@ class MlxEngine:
     # -- engine thread: main loop --------------------------------------------------------
 
     def _run(self) -> None:
+        self._engine_stream = mx.default_stream(mx.cpu)  # adopted layers are evaluated here
         try:
             self._serve()
         finally:

@@ -23,6 +23,7 @@ If an MLX version reads ``.npy`` otherwise, the arrays are still correct
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -121,11 +122,13 @@ class SlabCarver:
         return slab, at
 
 
-def mlx_view(x: np.ndarray) -> mx.array | None:
+def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:
     """The MLX array whose memory ``x`` (a contiguous view of MLX memory) shows, or None.
 
-    The whole array when ``x`` covers it, else a lazy slice of it: no copy,
-    and no MLX work until the array is used.
+    The whole array when ``x`` covers it, else a lazy slice of it on
+    ``stream``: no copy, and no MLX work until the array is used. MLX streams
+    belong to a thread, so ``stream`` must be one of the thread that will
+    evaluate the slice (None: the caller's).
     """
     memory = x.base
     while isinstance(memory, np.ndarray):  # a view of a view (of a slab)
@@ -139,4 +142,5 @@ def mlx_view(x: np.ndarray) -> mx.array | None:
         return None
     if owner.shape == x.shape:
         return owner
-    return owner.reshape(-1)[start : start + x.size].reshape(x.shape)
+    with contextlib.nullcontext() if stream is None else mx.stream(stream):
+        return owner.reshape(-1)[start : start + x.size].reshape(x.shape)  # basic slicing: a view

@@ -451,6 +451,9 @@ class Link:
                 message = await self._ws.recv()
                 for item in await self._handle_message(message):
                     await self._hand_over(item)
+                # Buffered messages would otherwise all be handled before another link's
+                # first: a LayerParallel lane waited ~6 ms for the loop while its peer sent.
+                await asyncio.sleep(0)
         except ConnectionClosed as exc:
             # Bodies announced before the close are still arriving on the bulk channel.
             await self._finish_bulk_reads()

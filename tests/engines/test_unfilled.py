@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import queue
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +62,27 @@ def test_a_slab_lives_while_any_view_of_it_does(carver):
     carver.buffers((300 * 1024,), np.dtype(np.float32), mx.float32, 1)  # moves to a new slab
     gc.collect()
     assert float(mx.max(kept).item()) == 7.0 and float(mx.min(kept).item()) == 7.0
+
+
+def test_a_view_for_another_thread_is_evaluated_there_without_a_copy(carver):
+    """The decode engine evaluates adopted layers on its own thread, whose stream it passes."""
+    (buffer,) = carver.buffers((3, 4), np.dtype(np.float32), mx.float32, 1)
+    carver.buffers((3, 4), np.dtype(np.float32), mx.float32, 1)  # so buffer is part of a slab
+    buffer[...] = 2
+    streams: queue.Queue = queue.Queue()
+    views: queue.Queue = queue.Queue()
+    seen: list = []
+
+    def engine_thread() -> None:
+        streams.put(mx.default_stream(mx.cpu))
+        view = views.get(timeout=10)
+        seen.append((float(mx.sum(view * 1).item()), np.array(view, copy=False).ctypes.data))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    views.put(mlx_view(buffer, streams.get(timeout=10)))
+    thread.join(timeout=10)
+    assert seen == [(24.0, buffer.ctypes.data)]
 
 
 def test_mlx_view_refuses_memory_that_is_not_a_contiguous_view_of_mlx():
