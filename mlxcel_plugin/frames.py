@@ -60,8 +60,6 @@ class FrameType(enum.IntEnum):
     ERROR = 11
 
 
-
-
 Body = bytes | bytearray | memoryview | BodyParts
 
 

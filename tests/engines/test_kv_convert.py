@@ -139,8 +139,9 @@ def test_a_view_of_part_of_a_kv_buffer_is_copied_not_taken_whole():
 
 
 def test_kv_buffers_refuses_a_dtype_mlx_cannot_hold_as_kv():
+    carver = SlabCarver(mx.new_stream(mx.cpu))
     with pytest.raises(HandoffError, match="storage dtype"):
-        kv_convert.kv_buffers((1, 1, 1, 4), np.dtype(np.int64), 1, SlabCarver(mx.new_stream(mx.cpu)))
+        kv_convert.kv_buffers((1, 1, 1, 4), np.dtype(np.int64), 1, carver)
 
 
 def _fingerprint(dtype: mx.Dtype) -> dict:
