@@ -13,6 +13,7 @@ import pytest
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import AtCapacityError, NoHealthyNodeError
 from mlxcel_plugin.link_dial import Backoff
+from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
 from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
 from router_plugin.balancers import RoundRobinBalancer
@@ -23,7 +24,6 @@ from router_plugin.node_pool import NodeHealth, NodePool
 from router_plugin.peer_links import PeerLinks, make_dialer
 from router_plugin.stats import RouterStats
 from tests.router_plugin.fake_engine import FakeEngine
-from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Backoff(initial_s=0.02, max_s=0.2)

@@ -9,9 +9,9 @@ import pytest
 
 from mlxcel_plugin.frames import ErrorFrame, Result
 from mlxcel_plugin.link_dial import Backoff
+from mlxcel_plugin.testing.fake_peers import SECRET, FakeDecode, FakePrefill
 from router_plugin.node_pool import NodeHealth, NodePool
 from router_plugin.peer_links import PeerEvent, PeerLinks, make_dialer
-from mlxcel_plugin.testing.fake_peers import SECRET, FakeDecode, FakePrefill
 
 pytestmark = pytest.mark.timeout(30)
 FAST = Backoff(initial_s=0.02, max_s=0.1)
