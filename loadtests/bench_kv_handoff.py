@@ -57,7 +57,6 @@ from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
     HandoffHeader,
     KVAssembler,
-    KVMessage,
     ModelFingerprint,
     ReceiveMemory,
     SerializableCacheState,
@@ -66,12 +65,12 @@ from mlxcel_plugin.link import Link, LinkConfig
 from mlxcel_plugin.link_bulk import SOCKET_BUFFER_BYTES
 from mlxcel_plugin.link_dial import dial_link
 from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff
 from mlxcel_plugin.nodes.kv_wire import (
     FRAME_CHUNK_BYTES,
     chunk_destinations,
     end_first_token,
     frame_to_messages,
-    frames_for,
 )
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
@@ -443,30 +442,52 @@ class HandoffTiming:
 
 
 class HandoffSender:
-    """Drives one strategy over the peer's lanes, timing the sender's own work."""
+    """Drives one strategy over the peer's lanes as the prefill node does (``OutgoingHandoff``),
+    timing the sender's own work in the strategy."""
 
     def __init__(self, strategy: TransferStrategy, lanes: Sequence[Link]):
-        self.strategy, self.lanes = strategy, lanes
+        self.strategy, self.lanes = strategy, list(lanes)
         self.plan_s = 0.0
+        self.handoff: OutgoingHandoff | None = None
 
-    def _plan(self, step: Callable[[], list[KVMessage]]) -> list[KVMessage]:
+    def _plan(self, step: Callable[[], Any]) -> Any:
         start = time.perf_counter()
-        messages = step()
+        result = step()
         self.plan_s += time.perf_counter() - start
-        return messages
-
-    async def send(self, messages: list[KVMessage], first_token: int | None = None) -> None:
-        for lane, frame in frames_for(messages, first_token):  # as the prefill node frames them
-            await self.lanes[lane % len(self.lanes)].send(frame)
+        return result
 
     async def start(self, header: HandoffHeader) -> None:
-        await self.send(self._plan(lambda: self.strategy.start(header)))
+        handoff = OutgoingHandoff(header, self.strategy, "bench-decode")
+        self.handoff = handoff
+        handoff.push(self._plan(lambda: self.strategy.start(header)))
+        handoff.run(asyncio.create_task(_ready(self.lanes)))
 
     async def add_layer(self, index: int, layer: Any) -> None:
-        await self.send(self._plan(lambda: self.strategy.add_layer(index, layer)))
+        self._plan(lambda: self._live().add_layer(index, layer))
+        # One layer per loop turn, as the engine thread's on_layer callbacks arrive.
+        await asyncio.sleep(0)
 
-    async def finish(self, first_token: int | None = None) -> None:
-        await self.send(self._plan(self.strategy.finish), first_token)
+    async def finish(self, first_token: int = 0) -> None:
+        self._plan(lambda: self._live().finish(first_token))
+
+    async def acked(self, peer: Peer) -> dict[str, Any]:
+        """The receiver's ack, or the send failure (the handoff's ``ack`` only fails here)."""
+        failed = self._live().ack
+        ack = asyncio.ensure_future(peer.next_ack())
+        await asyncio.wait({ack, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            ack.cancel()
+            failed.result()  # raises why the handoff could not be sent
+        return ack.result()
+
+    def _live(self) -> OutgoingHandoff:
+        if self.handoff is None:
+            raise RuntimeError("start() first")
+        return self.handoff
+
+
+async def _ready(lanes: list[Link]) -> list[Link]:
+    return lanes
 
 
 def new_strategy(name: str, codec: str, lanes: int) -> TransferStrategy:
@@ -483,7 +504,7 @@ async def handoff_once(
     for index, layer in enumerate(cache.layers):
         await sender.add_layer(index, layer)
     await sender.finish()
-    ack = await peer.next_ack()
+    ack = await sender.acked(peer)
     if ack.get("handoff_id") != header.handoff_id:
         raise RuntimeError(f"ack for {ack.get('handoff_id')}, expected {header.handoff_id}")
     elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu

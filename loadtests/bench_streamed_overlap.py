@@ -114,7 +114,7 @@ async def streamed_once(
     await sender.start(header)
     run = await run_prefill(engine, request, sender)
     await sender.finish(run.result.first_token)
-    ack = await peer.next_ack()
+    ack = await sender.acked(peer)
     if ack.get("handoff_id") != header.handoff_id:
         raise RuntimeError(f"unexpected ack {ack}")
     # The receiver's work after the last byte: crc32 verify of the whole cache + mx.array.
