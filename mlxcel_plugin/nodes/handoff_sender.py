@@ -4,8 +4,9 @@
 the i-th link, for LayerParallel — reads KV_ACK frames off them and resolves
 the matching ``OutgoingHandoff``. An ``OutgoingHandoff`` is one attempt: the
 strategy's messages are queued as they are produced (``on_layer`` during
-prefill, for Streamed) and one task puts them on the lanes in order, so the
-engine thread never waits on a socket.
+prefill, for Streamed) and one task frames them, so the engine thread never
+waits on a socket; each lane's ``LaneFeed`` sends its frames in order, so a
+full or stalled lane holds up only its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mlxcel_plugin.engine_api import CacheLayer
@@ -95,18 +96,30 @@ class OutgoingHandoff:
         self._task = asyncio.create_task(self._send_all(lanes), name="kv-handoff-send")
 
     async def _send_all(self, lanes_task: asyncio.Task[list[Link]]) -> None:
+        feeds: list[LaneFeed] = []
         try:
             lanes = await lanes_task
+            feeds = [LaneFeed(link, self._sent, self._lane_failed) for link in lanes]
             finished = False
             while not finished:  # ends with finish()
                 messages, finished = await self._queued()
                 # What queued up while the last frames went out shares frames now.
                 for lane, frame in frames_for(messages, self.first_token):
-                    self.began = self.began or frame.type is FrameType.KV_BEGIN
-                    await lanes[lane % len(lanes)].send(frame)
-                    self.sent_bytes += len(frame.body)
+                    feeds[lane % len(feeds)].put(frame)
+            for feed in feeds:
+                await feed.close()  # every frame handed to its link
         except (*RETRYABLE, MlxcelError) as exc:
-            self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))
+            self._lane_failed(exc)
+        finally:
+            for feed in feeds:
+                feed.cancel()
+
+    def _sent(self, frame: Frame) -> None:
+        self.began = self.began or frame.type is FrameType.KV_BEGIN
+        self.sent_bytes += len(frame.body)
+
+    def _lane_failed(self, exc: BaseException) -> None:
+        self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))
 
     async def _queued(self) -> tuple[list[KVMessage], bool]:
         """Every message queued now (waits for one), and whether finish() came after them."""
@@ -114,6 +127,40 @@ class OutgoingHandoff:
         while not self._queue.empty():  # bounded by what is queued
             items.append(self._queue.get_nowait())
         return [i for i in items if i is not _DONE], _DONE in items  # type: ignore[misc]
+
+
+class LaneFeed:
+    """One lane's frames, in order, sent by a task of its own.
+
+    A lane whose send queue is full (a slow or stalled link) then holds up
+    only its own frames; the other lanes of a LayerParallel handoff keep going.
+    """
+
+    def __init__(self, link: Link, on_sent: Callable[[Frame], None],
+                 on_failed: Callable[[BaseException], None]):
+        self.link = link
+        self._frames: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self._on_sent, self._on_failed = on_sent, on_failed
+        self._task = asyncio.create_task(self._send_in_order(), name="kv-lane-send")
+
+    def put(self, frame: Frame) -> None:
+        self._frames.put_nowait(frame)
+
+    async def close(self) -> None:
+        """Wait until every frame put so far has been handed to the link."""
+        self._frames.put_nowait(None)
+        await asyncio.shield(self._task)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def _send_in_order(self) -> None:
+        try:
+            while (frame := await self._frames.get()) is not None:  # ends at close()
+                await self.link.send(frame)
+                self._on_sent(frame)
+        except (*RETRYABLE, MlxcelError) as exc:
+            self._on_failed(exc)
 
 
 class DecodeLinks:

@@ -1,0 +1,88 @@
+"""OutgoingHandoff: each lane sends its frames in order, and a stalled lane holds up only itself."""
+
+import asyncio
+
+import pytest
+
+from mlxcel_plugin.frames import FrameType
+from mlxcel_plugin.link import LinkClosed
+from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff, TargetLost
+from mlxcel_plugin.nodes.kv_wire import frame_to_messages
+from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
+from mlxcel_plugin.transfer import LayerParallelTransfer, StrategyOptions
+
+
+class FakeLane:
+    """A link's send side: records frames; ``stall`` holds every send until released."""
+
+    def __init__(self, stall: bool = False, fail: bool = False):
+        self.frames = []
+        self.released = asyncio.Event()
+        self.fail = fail
+        if not stall:
+            self.released.set()
+
+    async def send(self, frame):
+        await self.released.wait()
+        if self.fail:
+            raise LinkClosed("link to decode-1 is closed: reset")
+        self.frames.append(frame)
+
+    def chunk_layers(self):
+        return [m.header["layer"] for f in self.frames if f.type is FrameType.KV_CHUNK
+                for m in frame_to_messages(f)]
+
+
+def start_handoff(lanes):
+    fingerprint = make_fingerprint(num_layers=6)
+    cache = make_cache(fingerprint, 40, seed=3)
+    strategy = LayerParallelTransfer(StrategyOptions(lanes=len(lanes)))
+    handoff = OutgoingHandoff(make_header(fingerprint, 40), strategy, "decode-1")
+    handoff.push(strategy.start(handoff.header))
+
+    async def ready():
+        return lanes
+
+    handoff.run(asyncio.ensure_future(ready()))
+    for index, layer in enumerate(cache.layers):
+        handoff.add_layer(index, layer)
+    handoff.finish(first_token=7)
+    return handoff
+
+
+async def settle():
+    for _ in range(50):  # bounded: lets the send tasks run their course
+        await asyncio.sleep(0)
+
+
+def test_a_stalled_lane_does_not_hold_up_the_others_and_each_lane_keeps_its_order():
+    async def scenario():
+        stalled, free = FakeLane(stall=True), FakeLane()
+        handoff = start_handoff([stalled, free])
+        await settle()
+        # Layers are dealt round-robin: lane 1 carries the odd ones, all sent already.
+        assert free.frames[0].type is FrameType.KV_BEGIN
+        assert free.chunk_layers() == [1, 1, 3, 3, 5, 5]  # K and V
+        assert stalled.frames == []
+        stalled.released.set()
+        await settle()
+        kinds = [f.type for f in stalled.frames]
+        assert kinds[0] is FrameType.KV_BEGIN and kinds[-1] is FrameType.KV_END
+        assert stalled.chunk_layers() == [0, 0, 2, 2, 4, 4]
+        assert stalled.frames[-1].header["first_token"] == 7
+        assert handoff.began and handoff.sent_bytes > 0 and not handoff.ack.done()
+
+    asyncio.run(scenario())
+
+
+def test_a_lane_that_fails_fails_the_handoff_and_stops_the_other_lanes():
+    async def scenario():
+        stalled, broken = FakeLane(stall=True), FakeLane(fail=True)
+        handoff = start_handoff([stalled, broken])
+        with pytest.raises(TargetLost, match="decode-1 unreachable"):
+            await asyncio.wait_for(handoff.ack, 1)
+        stalled.released.set()
+        await settle()
+        assert stalled.frames == [] and broken.frames == []  # nothing more went out
+
+    asyncio.run(scenario())
