@@ -130,10 +130,12 @@ class OutgoingHandoff:
 
 
 class LaneFeed:
-    """One lane's frames, in order, sent by a task of its own.
+    """One lane's frames, in order; a full lane holds up only its own frames.
 
-    A lane whose send queue is full (a slow or stalled link) then holds up
-    only its own frames; the other lanes of a LayerParallel handoff keep going.
+    A frame goes straight into the link's send queue while it has room (no
+    task hop). The first frame that finds it full starts a task that sends it
+    and every later frame of this lane in order, while the other lanes of a
+    LayerParallel handoff keep going.
     """
 
     def __init__(self, link: Link, on_sent: Callable[[Frame], None],
@@ -141,18 +143,26 @@ class LaneFeed:
         self.link = link
         self._frames: asyncio.Queue[Frame | None] = asyncio.Queue()
         self._on_sent, self._on_failed = on_sent, on_failed
-        self._task = asyncio.create_task(self._send_in_order(), name="kv-lane-send")
+        self._task: asyncio.Task[None] | None = None
 
     def put(self, frame: Frame) -> None:
+        """Raises LinkClosed if the link is already closed."""
+        if self._task is None and self.link.try_send(frame):
+            self._on_sent(frame)
+            return
         self._frames.put_nowait(frame)
+        if self._task is None:
+            self._task = asyncio.create_task(self._send_in_order(), name="kv-lane-send")
 
     async def close(self) -> None:
         """Wait until every frame put so far has been handed to the link."""
-        self._frames.put_nowait(None)
-        await asyncio.shield(self._task)
+        if self._task is not None:
+            self._frames.put_nowait(None)
+            await asyncio.shield(self._task)
 
     def cancel(self) -> None:
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
     async def _send_in_order(self) -> None:
         try:

@@ -13,17 +13,26 @@ from mlxcel_plugin.transfer import LayerParallelTransfer, StrategyOptions
 
 
 class FakeLane:
-    """A link's send side: records frames; ``stall`` holds every send until released."""
+    """A link's send side: records frames; ``stall`` makes it full until released."""
 
-    def __init__(self, stall: bool = False, fail: bool = False):
+    def __init__(self, stall: bool = False, fail: bool = False, room: int = 0):
         self.frames = []
         self.released = asyncio.Event()
-        self.fail = fail
+        self.fail, self.room = fail, room  # room: frames it takes before it is full
         if not stall:
             self.released.set()
 
+    def try_send(self, frame):
+        if not self.released.is_set() and len(self.frames) >= self.room:
+            return False  # its send queue is full
+        self._take(frame)
+        return True
+
     async def send(self, frame):
         await self.released.wait()
+        self._take(frame)
+
+    def _take(self, frame):
         if self.fail:
             raise LinkClosed("link to decode-1 is closed: reset")
         self.frames.append(frame)
@@ -84,5 +93,20 @@ def test_a_lane_that_fails_fails_the_handoff_and_stops_the_other_lanes():
         stalled.released.set()
         await settle()
         assert stalled.frames == [] and broken.frames == []  # nothing more went out
+
+    asyncio.run(scenario())
+
+
+def test_a_lane_that_fills_up_midway_still_sends_its_frames_in_order():
+    async def scenario():
+        filling, free = FakeLane(stall=True, room=2), FakeLane()
+        start_handoff([filling, free])
+        await settle()
+        assert [f.type for f in filling.frames] == [FrameType.KV_BEGIN, FrameType.KV_CHUNK]
+        assert free.chunk_layers() == [1, 1, 3, 3, 5, 5]
+        filling.released.set()
+        await settle()
+        assert filling.chunk_layers() == [0, 0, 2, 2, 4, 4]
+        assert filling.frames[-1].type is FrameType.KV_END
 
     asyncio.run(scenario())
