@@ -13,16 +13,16 @@ otherwise they are split into PART/LAST records no bigger than the record bound.
 A consumer may register a body sink (``set_body_sink``) that names, per
 announced bulk frame, the buffer its body should be decrypted into — the KV
 receiver points it at the layer buffer, so a body is written once.
-Sends go through a byte-bounded queue drained by one writer task, so a slow
-peer makes ``send`` wait instead of growing memory, and a cancelled ``send``
-can never leave half a record on the wire. One reader task decrypts, answers
-PINGs, and hands frames to ``recv`` through a bounded queue.
+Sends go through a byte-bounded queue drained by one writer task
+(``link_writer``), so a slow peer makes ``send`` wait instead of growing
+memory, and a cancelled ``send`` can never leave half a record on the wire.
+One reader task decrypts, answers PINGs, and hands frames to ``recv``
+through a bounded queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -36,26 +36,18 @@ from mlxcel_plugin.frames import (
     Frame,
     FrameType,
     Ping,
-    encode_frame,
-    encode_header,
     frame_size,
 )
 from mlxcel_plugin.handshake import PeerInfo, Session
 from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel, BulkPipe
 from mlxcel_plugin.link_delivery import FrameDelivery
 from mlxcel_plugin.link_records import (
-    BATCH_MIN_MINOR,
-    BATCH_OVERHEAD_BYTES,
     BulkBody,
     FrameTooLarge,
     RecordReader,
-    batch_record,
-    bulk_record,
-    frame_record,
-    part_records,
 )
+from mlxcel_plugin.link_writer import LinkWriter
 from mlxcel_plugin.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
-from mlxcel_plugin.send_budget import ByteBudget
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -65,7 +57,6 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
-_MAX_PENDING_CONTROL = 64  # PONGs waiting to go out; beyond this a ping flood is dropped
 
 # (frame type, frame header, body length) -> a writable C-contiguous byte buffer of exactly
 # that length to decrypt the body into (or a BodyParts of such buffers to scatter it over),
@@ -120,23 +111,21 @@ class Link:
         self.remote_address = _format_address(ws.remote_address)
         self.error: ProtocolError | None = None
         self._closed = False
-        self._budget = ByteBudget(config.send_queue_bytes)
-        self._outbox: collections.deque[tuple[Frame, int]] = collections.deque()
-        self._outbox_ready = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._drained.set()
-        self._control: collections.deque[Frame] = collections.deque()
+        self._writer = LinkWriter(
+            ws, session, self._bulk, queue_bytes=config.send_queue_bytes,
+            max_record_bytes=config.max_record_bytes,
+            bulk_threshold_bytes=config.bulk_threshold_bytes,
+            on_failure=self._writer_failed, name=local_node_id)
         self._inbox: asyncio.Queue[object] = asyncio.Queue(config.recv_queue_frames)
         self._records = RecordReader(config.max_frame_bytes, bulk=bulk is not None,
                                      name=local_node_id)
-        self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
         self._body_sink: BodySink | None = None
         self._delivery: FrameDelivery | None = None  # set by deliver_to
         self._done = asyncio.Event()
         self._closer: asyncio.Task[None] | None = None
-        self._tasks = [asyncio.create_task(self._write_loop(), name="link-writer"),
+        self._tasks = [asyncio.create_task(self._writer.run(), name="link-writer"),
                        asyncio.create_task(self._read_loop(), name="link-reader")]
 
     # ------------------------------------------------------------ public API
@@ -208,11 +197,8 @@ class Link:
         so do not modify it until ``drain()`` returns.
         """
         frame, size = self._checked(frame)
-        await self._budget.acquire(size, lambda: not self._closed)
-        if self._closed:
-            self._budget.release(size)
+        if not await self._writer.put(frame, size):
             self._raise_if_closed()
-        self._enqueue(frame, size)
 
     def try_send(self, frame: Frame) -> bool:
         """Queue one frame now if the send queue has room (False if not); from sync code.
@@ -220,15 +206,12 @@ class Link:
         Raises LinkClosed. Frames keep their order with ``send``'s.
         """
         frame, size = self._checked(frame)
-        if not self._budget.try_acquire(size):
-            return False
-        self._enqueue(frame, size)
-        return True
+        return self._writer.try_put(frame, size)
 
     @property
     def idle(self) -> bool:
         """Nothing queued: a frame sent now is the next one written."""
-        return not self._outbox
+        return self._writer.idle
 
     def _checked(self, frame: Frame) -> tuple[Frame, int]:
         frame = _flat_body(frame)
@@ -237,11 +220,6 @@ class Link:
             raise FrameTooLarge(f"frame of {size} bytes exceeds {self._config.max_frame_bytes}")
         self._raise_if_closed()
         return frame, size
-
-    def _enqueue(self, frame: Frame, size: int) -> None:
-        self._outbox.append((frame, size))
-        self._drained.clear()
-        self._outbox_ready.set()
 
     async def recv(self) -> Frame:
         """The next frame from the peer. Raises LinkClosed once the link is closed.
@@ -273,7 +251,7 @@ class Link:
 
     async def drain(self) -> None:
         """Wait until every queued frame has been handed to the sockets."""
-        await self._drained.wait()
+        await self._writer.drained()
         self._raise_if_closed()
 
     async def close(self, code: int = CLOSE_NORMAL, reason: str = "", *,
@@ -298,7 +276,6 @@ class Link:
         if self._bulk is not None:
             await self._bulk.stop()
         await self._ws.close(code, reason)
-        self._budget.wake_all()
         self._done.set()
 
     async def wait_closed(self) -> None:
@@ -307,7 +284,7 @@ class Link:
     async def _flush_quietly(self) -> None:
         try:
             async with asyncio.timeout(self._config.close_timeout_s):
-                await self._drained.wait()
+                await self._writer.drained()
         except TimeoutError:
             logger.info("link %s: closing with frames unsent to %s after %.1fs",
                         self.local_node_id, self.peer_node_id, self._config.close_timeout_s)
@@ -321,7 +298,7 @@ class Link:
 
     def _mark_closed(self) -> None:
         self._closed = True
-        self._drained.set()
+        self._writer.close()
         if not self._inbox.full():
             self._inbox.put_nowait(_CLOSED)  # wakes a recv() blocked on an empty inbox
         # else: frames already received stay deliverable; recv() sees the close after them
@@ -345,103 +322,8 @@ class Link:
             reason = ""
         await self.close(code, reason[:120], flush=False)
 
-    # writer
-
-    async def _write_loop(self) -> None:
-        try:
-            while True:  # until the link closes
-                if self._control:
-                    await self._write_frame(self._control.popleft())
-                    continue
-                if not self._outbox:
-                    if not self._bulk_writes:
-                        self._drained.set()
-                    self._outbox_ready.clear()
-                    await self._outbox_ready.wait()
-                    continue
-                if self._batchable_at(0) and self._batchable_at(1):
-                    await self._write_batch()
-                    continue
-                frame, size = self._outbox.popleft()
-                in_flight = False
-                try:
-                    in_flight = await self._write_frame(frame, size)
-                finally:
-                    if not in_flight:
-                        self._budget.release(size)
-        except (ConnectionClosed, OSError) as exc:
-            self._spawn_fail((exc, CLOSE_GOING_AWAY))
-        except ProtocolError as exc:
-            self._spawn_fail((exc, CLOSE_POLICY_VIOLATION))
-
-    def _batchable_at(self, index: int) -> bool:
-        """Whether the queued frame at ``index`` may share a BATCH record with others."""
-        if len(self._outbox) <= index or self._session.peer.minor < BATCH_MIN_MINOR:
-            return False
-        frame, size = self._outbox[index]
-        on_bulk = self._bulk is not None and len(frame.body) >= self._config.bulk_threshold_bytes
-        return not on_bulk and size + BATCH_OVERHEAD_BYTES < self._config.max_record_bytes // 2
-
-    async def _write_batch(self) -> None:
-        """The small frames at the head of the queue, as one record (one seal, one write)."""
-        encoded, queued_bytes, record_bytes = [], 0, 1
-        limit = self._config.max_record_bytes
-        while self._batchable_at(0) and (
-                record_bytes + self._outbox[0][1] + BATCH_OVERHEAD_BYTES <= limit):
-            frame, size = self._outbox.popleft()
-            encoded.append(encode_frame(frame))
-            queued_bytes += size
-            record_bytes += size + BATCH_OVERHEAD_BYTES
-        try:
-            await self._send_record(batch_record(encoded))
-        finally:
-            self._budget.release(queued_bytes)
-
-    async def _write_frame(self, frame: Frame, size: int = 0) -> bool:
-        """Write one frame; True when its body is still going out on the bulk thread."""
-        prefix = encode_header(frame.type, frame.header)
-        body = frame.body
-        if self._bulk is not None and len(body) >= self._config.bulk_threshold_bytes:
-            await self._send_record(bulk_record(len(body), prefix))
-            self._start_bulk_write(body, size)
-            return True
-        limit = self._config.max_record_bytes - 1
-        if len(prefix) + len(body) <= limit:
-            await self._send_record(frame_record(prefix + bytes(body)))
-            return False
-        for record in part_records(prefix + bytes(body), limit):
-            await self._send_record(record)
-        return False
-
-    def _start_bulk_write(self, body: bytes | bytearray | memoryview | BodyParts,
-                          size: int) -> None:
-        """Hand the body to the bulk thread; its budget is released once it is on the socket."""
-        future = self._bulk.write(body)
-        self._bulk_writes += 1
-
-        def written(done: asyncio.Future) -> None:
-            self._bulk_writes -= 1
-            self._budget.release(size)
-            if done.cancelled():
-                return
-            if done.exception() is not None:
-                self._spawn_fail((done.exception(), CLOSE_GOING_AWAY))
-            elif not self._bulk_writes and not self._outbox:
-                self._drained.set()
-
-        future.add_done_callback(written)
-
-    async def _send_record(self, plaintext: bytes) -> None:
-        # seal() reuses one buffer; websockets serializes it before send() returns.
-        await self._ws.send(self._session.sender.seal(plaintext))
-
-    def _queue_control(self, frame: Frame) -> None:
-        if len(self._control) >= _MAX_PENDING_CONTROL:
-            logger.debug("link %s: dropping PONG, %d already pending", self.local_node_id,
-                         len(self._control))
-            return
-        self._control.append(frame)
-        self._outbox_ready.set()
+    def _writer_failed(self, exc: BaseException, protocol: bool) -> None:
+        self._spawn_fail((exc, CLOSE_POLICY_VIOLATION if protocol else CLOSE_GOING_AWAY))
 
     # reader
 
@@ -530,7 +412,7 @@ class Link:
     def _deliver(self, frame: Frame) -> Frame | None:
         """PINGs are answered here (whether or not the app is reading); the rest go to recv."""
         if frame.type is FrameType.PING:
-            self._queue_control(Ping.from_frame(frame).pong())
+            self._writer.put_control(Ping.from_frame(frame).pong())
             return None
         return frame
 

@@ -1,0 +1,193 @@
+"""The send half of a link: a byte-bounded frame queue drained by one writer task.
+
+``send`` waits while the queued bytes are spent (a slow peer makes senders
+wait instead of growing memory). The writer task turns frames into link
+records: small frames at the head of the queue share one BATCH record, big
+bodies go to the bulk channel's thread after a BULK announcement, others are
+split into PART/LAST records. A cancelled ``send`` never leaves half a record
+on the wire: only the writer task writes. PONGs jump the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+
+from websockets.asyncio.connection import Connection
+from websockets.exceptions import ConnectionClosed
+
+from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.frames import BodyParts, Frame, encode_frame, encode_header
+from mlxcel_plugin.handshake import Session
+from mlxcel_plugin.link_bulk import BulkPipe
+from mlxcel_plugin.link_records import (
+    BATCH_MIN_MINOR,
+    BATCH_OVERHEAD_BYTES,
+    batch_record,
+    bulk_record,
+    frame_record,
+    part_records,
+)
+from mlxcel_plugin.send_budget import ByteBudget
+
+logger = logging.getLogger("mlxcel_plugin.link")
+
+_MAX_PENDING_CONTROL = 64  # PONGs waiting to go out; beyond this a ping flood is dropped
+
+# (the exception, whether it is a protocol error rather than a lost connection)
+FailureHandler = Callable[[BaseException, bool], None]
+
+
+class LinkWriter:
+    """Queues frames and writes them as records; ``run`` is the link's writer task."""
+
+    def __init__(self, ws: Connection, session: Session, bulk: BulkPipe | None, *,
+                 queue_bytes: int, max_record_bytes: int, bulk_threshold_bytes: int,
+                 on_failure: FailureHandler, name: str):
+        self._ws, self._session, self._bulk = ws, session, bulk
+        self._max_record_bytes = max_record_bytes
+        self._bulk_threshold_bytes = bulk_threshold_bytes
+        self._on_failure, self._name = on_failure, name
+        self._budget = ByteBudget(queue_bytes)
+        self._outbox: collections.deque[tuple[Frame, int]] = collections.deque()
+        self._outbox_ready = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._control: collections.deque[Frame] = collections.deque()
+        self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
+        self._open = True
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued: a frame queued now is the next one written."""
+        return not self._outbox
+
+    async def put(self, frame: Frame, size: int) -> bool:
+        """Queue a frame of ``size`` bytes once the budget has room; False if closed meanwhile."""
+        await self._budget.acquire(size, lambda: self._open)
+        if not self._open:
+            self._budget.release(size)
+            return False
+        self._enqueue(frame, size)
+        return True
+
+    def try_put(self, frame: Frame, size: int) -> bool:
+        """Queue a frame now if the budget has room."""
+        if not self._budget.try_acquire(size):
+            return False
+        self._enqueue(frame, size)
+        return True
+
+    def put_control(self, frame: Frame) -> None:
+        """A PONG: written before queued frames; dropped beyond a bound (a ping flood)."""
+        if len(self._control) >= _MAX_PENDING_CONTROL:
+            logger.debug("link %s: dropping PONG, %d already pending", self._name,
+                         len(self._control))
+            return
+        self._control.append(frame)
+        self._outbox_ready.set()
+
+    async def drained(self) -> None:
+        """Wait until every queued frame has been handed to the sockets (or the link closed)."""
+        await self._drained.wait()
+
+    def close(self) -> None:
+        """Stop taking frames; wakes ``drained`` and any ``put`` waiting for room."""
+        self._open = False
+        self._drained.set()
+        self._budget.wake_all()
+
+    def _enqueue(self, frame: Frame, size: int) -> None:
+        self._outbox.append((frame, size))
+        self._drained.clear()
+        self._outbox_ready.set()
+
+    async def run(self) -> None:
+        try:
+            while True:  # until the link closes
+                if self._control:
+                    await self._write_frame(self._control.popleft())
+                    continue
+                if not self._outbox:
+                    if not self._bulk_writes:
+                        self._drained.set()
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                if self._batchable_at(0) and self._batchable_at(1):
+                    await self._write_batch()
+                    continue
+                frame, size = self._outbox.popleft()
+                in_flight = False
+                try:
+                    in_flight = await self._write_frame(frame, size)
+                finally:
+                    if not in_flight:
+                        self._budget.release(size)
+        except (ConnectionClosed, OSError) as exc:
+            self._on_failure(exc, False)
+        except ProtocolError as exc:
+            self._on_failure(exc, True)
+
+    def _batchable_at(self, index: int) -> bool:
+        """Whether the queued frame at ``index`` may share a BATCH record with others."""
+        if len(self._outbox) <= index or self._session.peer.minor < BATCH_MIN_MINOR:
+            return False
+        frame, size = self._outbox[index]
+        on_bulk = self._bulk is not None and len(frame.body) >= self._bulk_threshold_bytes
+        return not on_bulk and size + BATCH_OVERHEAD_BYTES < self._max_record_bytes // 2
+
+    async def _write_batch(self) -> None:
+        """The small frames at the head of the queue, as one record (one seal, one write)."""
+        encoded, queued_bytes, record_bytes = [], 0, 1
+        limit = self._max_record_bytes
+        while self._batchable_at(0) and (
+                record_bytes + self._outbox[0][1] + BATCH_OVERHEAD_BYTES <= limit):
+            frame, size = self._outbox.popleft()
+            encoded.append(encode_frame(frame))
+            queued_bytes += size
+            record_bytes += size + BATCH_OVERHEAD_BYTES
+        try:
+            await self._send_record(batch_record(encoded))
+        finally:
+            self._budget.release(queued_bytes)
+
+    async def _write_frame(self, frame: Frame, size: int = 0) -> bool:
+        """Write one frame; True when its body is still going out on the bulk thread."""
+        prefix = encode_header(frame.type, frame.header)
+        body = frame.body
+        if self._bulk is not None and len(body) >= self._bulk_threshold_bytes:
+            await self._send_record(bulk_record(len(body), prefix))
+            self._start_bulk_write(body, size)
+            return True
+        limit = self._max_record_bytes - 1
+        if len(prefix) + len(body) <= limit:
+            await self._send_record(frame_record(prefix + bytes(body)))
+            return False
+        for record in part_records(prefix + bytes(body), limit):
+            await self._send_record(record)
+        return False
+
+    def _start_bulk_write(self, body: bytes | bytearray | memoryview | BodyParts,
+                          size: int) -> None:
+        """Hand the body to the bulk thread; its budget is released once it is on the socket."""
+        future = self._bulk.write(body)
+        self._bulk_writes += 1
+
+        def written(done: asyncio.Future) -> None:
+            self._bulk_writes -= 1
+            self._budget.release(size)
+            if done.cancelled():
+                return
+            if done.exception() is not None:
+                self._on_failure(done.exception(), False)
+            elif not self._bulk_writes and not self._outbox:
+                self._drained.set()
+
+        future.add_done_callback(written)
+
+    async def _send_record(self, plaintext: bytes) -> None:
+        # seal() reuses one buffer; websockets serializes it before send() returns.
+        await self._ws.send(self._session.sender.seal(plaintext))
