@@ -158,7 +158,7 @@ class LaneFeed:
         """Wait until every frame put so far has been handed to the link."""
         if self._task is not None:
             self._frames.put_nowait(None)
-            await asyncio.shield(self._task)
+            await self._task
 
     def cancel(self) -> None:
         if self._task is not None:
