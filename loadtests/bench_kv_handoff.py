@@ -11,8 +11,11 @@ same machine load, with a raw TCP run just before each path's run. The ratio
 is of median times (raw TCP's median over all its runs); "paired" is the
 median of each run's ratio to the raw run just before it. An unrecorded
 warm-up repeat comes first. Both processes also report their CPU
-seconds and minor page faults per handoff: on 2 cores the CPU sum, not any one
-phase, bounds wall time.
+seconds and minor page faults per handoff, and the CPU of their event-loop
+thread (framing, KV bookkeeping, sender crc32) apart from their bulk channel
+threads (AES, socket copies, receiver crc32): on 2 cores the CPU sum, not any
+one phase, bounds wall time, and link bytes beside the KV paths shows what the
+KV layer adds to each.
 
 Paths (sender = this process, receiver = one spawned process for all of them):
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing as mp
 import resource
 import socket
@@ -62,7 +66,7 @@ from mlxcel_plugin.kv_serde import (
     SerializableCacheState,
 )
 from mlxcel_plugin.link import Link, LinkConfig
-from mlxcel_plugin.link_bulk import SOCKET_BUFFER_BYTES
+from mlxcel_plugin.link_bulk import BULK_IN_THREAD, BULK_OUT_THREAD, SOCKET_BUFFER_BYTES
 from mlxcel_plugin.link_dial import dial_link
 from mlxcel_plugin.link_server import serve_links
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff
@@ -117,6 +121,7 @@ class _Ingest:
     started_s: float
     started_cpu_s: float
     started_faults: int
+    started_threads: dict[str, float]
     adopter: AdoptTimer
     feed_s: float = 0.0
     first_token: int | None = None  # from KV_END, when the sender put it there
@@ -139,6 +144,7 @@ class KVSink:
     ingests: dict[str, _Ingest] = field(default_factory=dict)
     scratch: bytearray = field(default_factory=bytearray)
     bytes_received: int = 0  # link-bytes path: body bytes since the last ack
+    bytes_threads: dict[str, float] = field(default_factory=dict)  # ... and thread CPU then
 
     def body_destination(self, frame_type: FrameType, header: dict, n_bytes: int) -> Any:
         if header.get("bytes_only"):
@@ -165,7 +171,12 @@ class KVSink:
                 adopt=timer.adopt,
             )
             ingest = _Ingest(
-                assembler, time.perf_counter(), time.process_time(), page_faults(), timer
+                assembler,
+                time.perf_counter(),
+                time.process_time(),
+                page_faults(),
+                thread_cpu_s(),
+                timer,
             )
             self.ingests[handoff_id] = ingest
         start, state = time.perf_counter(), None
@@ -187,8 +198,34 @@ class KVSink:
             "started_cpu_s": ingest.started_cpu_s,
             "started_faults": ingest.started_faults,
             "first_token": first,
+            **thread_cpu_phases("recv", ingest.started_threads),
         }
         return handoff_id, state, phases
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this process's event-loop thread and of its bulk channel threads."""
+    totals = {"loop": 0.0, "bulk": 0.0}
+    if not hasattr(time, "pthread_getcpuclockid"):  # no per-thread clocks here (macOS)
+        return {}
+    for thread in threading.enumerate():
+        if thread is threading.main_thread():
+            role = "loop"
+        elif thread.name.startswith((BULK_IN_THREAD, BULK_OUT_THREAD)):
+            role = "bulk"
+        else:
+            continue
+        try:
+            totals[role] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return totals
+
+
+def thread_cpu_phases(side: str, started: dict[str, float]) -> dict[str, float]:
+    """``{side}_loop_cpu_s`` and ``{side}_bulk_cpu_s`` since ``started`` (a ``thread_cpu_s``)."""
+    now = thread_cpu_s()
+    return {f"{side}_{role}_cpu_s": now[role] - started[role] for role in started}
 
 
 def page_faults() -> int:
@@ -233,9 +270,12 @@ async def _serve_kv_link(link: Link, sink: KVSink) -> None:
 
 def _on_kv_frame(frame: Frame, sink: KVSink, outbox: Outbox) -> None:
     if frame.type is FrameType.KV_CHUNK and frame.header.get("bytes_only"):
+        if not sink.bytes_received:
+            sink.bytes_threads = thread_cpu_s()
         sink.bytes_received += len(frame.body)
         if frame.header.get("last"):
-            outbox.put(kv_frame(FrameType.KV_ACK, {"bytes": sink.bytes_received}))
+            ack = {"bytes": sink.bytes_received, **thread_cpu_phases("recv", sink.bytes_threads)}
+            outbox.put(kv_frame(FrameType.KV_ACK, ack))
             sink.bytes_received = 0
         return
     if frame.type not in (FrameType.KV_BEGIN, FrameType.KV_CHUNK, FrameType.KV_END):
@@ -407,16 +447,23 @@ def raw_tcp_once(conn: socket.socket, views: Sequence[memoryview]) -> float:
     return time.perf_counter() - start
 
 
-async def link_bytes_once(peer: Peer, views: Sequence[memoryview]) -> float:
-    """The link alone: the same bytes framed as the KV path frames them, no KV serde."""
+async def link_bytes_once(
+    peer: Peer, views: Sequence[memoryview]
+) -> tuple[float, dict[str, float]]:
+    """The link alone: the same bytes framed as the KV path frames them, no KV serde.
+
+    Returns the seconds and both ends' thread CPU (as the KV paths' phases name it).
+    """
     (link,) = await peer.ensure_links(1)
     frames = list(_byte_frames(views, FRAME_CHUNK_BYTES))
-    start = time.perf_counter()
+    start, start_threads = time.perf_counter(), thread_cpu_s()
     for i, parts in enumerate(frames):
         header = {"bytes_only": True, "last": i == len(frames) - 1}
         await link.send(kv_frame(FrameType.KV_CHUNK, header, BodyParts(parts)))
-    await peer.next_ack()
-    return time.perf_counter() - start
+    ack = await peer.next_ack()
+    elapsed = time.perf_counter() - start
+    cpu = {k: float(v) for k, v in ack.items() if k.endswith("_cpu_s")}
+    return elapsed, {**thread_cpu_phases("send", start_threads), **cpu}
 
 
 def _byte_frames(views: Sequence[memoryview], frame_bytes: int) -> Iterator[list[memoryview]]:
@@ -499,6 +546,7 @@ async def handoff_once(
 ) -> HandoffTiming:
     links = await peer.ensure_links(lanes)
     start, start_cpu, start_faults = time.perf_counter(), time.process_time(), page_faults()
+    start_threads = thread_cpu_s()
     sender = HandoffSender(new_strategy(name, codec, lanes), links)
     await sender.start(header)
     for index, layer in enumerate(cache.layers):
@@ -509,6 +557,7 @@ async def handoff_once(
         raise RuntimeError(f"ack for {ack.get('handoff_id')}, expected {header.handoff_id}")
     elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     ack["sender_faults"] = page_faults() - start_faults
+    ack.update(thread_cpu_phases("send", start_threads))
     return HandoffTiming(elapsed, sender.plan_s, cpu_s, ack)
 
 
@@ -571,8 +620,8 @@ async def measure_case(
             raw_s = raw_tcp_once(peer.raw_conn(), views)  # this path's own baseline
             samples.add("raw TCP", raw_s, raw_s, {})
             if path.strategy is None:
-                seconds = await link_bytes_once(peer, views)
-                samples.add(path.label, seconds, raw_s, {})
+                seconds, cpu = await link_bytes_once(peer, views)
+                samples.add(path.label, seconds, raw_s, cpu)
                 continue
             header = make_header(
                 fingerprint, tokens, handoff_id=f"{dtype}-{size_mib}-{path.label}-{repeat}"
@@ -599,12 +648,20 @@ PHASE_KEYS = (
     "receive_s",
     "sender_cpu_s",
     "cpu_s",
+    "send_loop_cpu_s",
+    "send_bulk_cpu_s",
+    "recv_loop_cpu_s",
+    "recv_bulk_cpu_s",
 )
 
 
 def median_phase(phases: list[dict[str, float]], key: str) -> float:
     values = [p[key] for p in phases if key in p]
     return statistics.median(values) if values else float("nan")
+
+
+def _whole(value: float) -> int | None:
+    return round(value) if math.isfinite(value) else None  # None: not measured on this path
 
 
 def result_rows(
@@ -626,7 +683,7 @@ def result_rows(
                 [dtype, size_mib, label]
                 + [round(1000 * median_phase(phases, key), 1) for key in PHASE_KEYS]
                 + [round(1000 * statistics.median(seconds), 1)]
-                + [round(median_phase(phases, key)) for key in FAULT_KEYS]
+                + [_whole(median_phase(phases, key)) for key in FAULT_KEYS]
             )
     return rows, phase_rows
 
@@ -691,8 +748,8 @@ def main() -> None:
         table(
             "Phase times, ms (median): sender strategy CPU; receiver assembler feed "
             "(all frames), of which per-layer mx.array, last feed, final mx.eval; receiver "
-            "first-to-last frame; CPU of the sender and receiver processes; minor page faults "
-            "per handoff",
+            "first-to-last frame; CPU of the sender and receiver processes, and of each one's "
+            "event-loop thread and bulk channel threads; minor page faults per handoff",
             [
                 "dtype",
                 "MiB",
@@ -705,6 +762,10 @@ def main() -> None:
                 "receive",
                 "send CPU",
                 "recv CPU",
+                "send loop",
+                "send bulk",
+                "recv loop",
+                "recv bulk",
                 "total",
                 "send faults",
                 "recv faults",

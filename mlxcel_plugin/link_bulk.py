@@ -45,6 +45,9 @@ CLIENT_HELLO_BYTES = len(BULK_MAGIC) + TOKEN_BYTES + MAC_BYTES
 SERVER_HELLO_BYTES = len(BULK_MAGIC) + MAC_BYTES
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# Thread name prefixes of the bulk channel's I/O threads (benchmarks attribute CPU by them).
+BULK_OUT_THREAD = "mlxcel-bulk-out"
+BULK_IN_THREAD = "mlxcel-bulk-in"
 
 
 class BulkError(ProtocolError):
@@ -190,8 +193,8 @@ class BulkPipe:
 
     def __init__(self, channel: BulkChannel, reader_nice: int = 0):
         self.channel = channel
-        self._out = ThreadPoolExecutor(1, "mlxcel-bulk-out")
-        self._in = ThreadPoolExecutor(1, "mlxcel-bulk-in", initializer=_lower_thread_priority,
+        self._out = ThreadPoolExecutor(1, BULK_OUT_THREAD)
+        self._in = ThreadPoolExecutor(1, BULK_IN_THREAD, initializer=_lower_thread_priority,
                                       initargs=(reader_nice,))
 
     def write(self, body: bytes | bytearray | memoryview | BodyParts) -> asyncio.Future[None]:

@@ -24,7 +24,7 @@ from mlxcel_plugin.frames import (
 )
 from mlxcel_plugin.handshake import BadMac, ClientHandshake, PeerAtCapacity, RoleRefused
 from mlxcel_plugin.link import LinkClosed, LinkConfig
-from mlxcel_plugin.link_bulk import record_spans
+from mlxcel_plugin.link_bulk import BULK_IN_THREAD, record_spans
 from mlxcel_plugin.link_dial import Backoff, dial_link, dial_with_backoff
 from mlxcel_plugin.link_records import KIND_BATCH, KIND_FRAME, split_batch
 from mlxcel_plugin.link_server import serve_links
@@ -526,7 +526,7 @@ def test_the_bulk_reader_thread_runs_at_the_configured_niceness():
             link = await dial_link(server.address, SECRET, "prefill", "p1")
             await link.send(Frame(FrameType.KV_CHUNK, {}, os.urandom(MIB)))  # bulk, echoed
             assert len((await link.recv()).body) == MIB
-            readers = [t for t in threading.enumerate() if t.name.startswith("mlxcel-bulk-in")]
+            readers = [t for t in threading.enumerate() if t.name.startswith(BULK_IN_THREAD)]
             nice = {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in readers}
             await link.close()
         return nice
