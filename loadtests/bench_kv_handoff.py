@@ -205,9 +205,9 @@ class KVSink:
 
 def thread_cpu_s() -> dict[str, float]:
     """CPU seconds so far of this process's event-loop thread and of its bulk channel threads."""
-    totals = {"loop": 0.0, "bulk": 0.0}
     if not hasattr(time, "pthread_getcpuclockid"):  # no per-thread clocks here (macOS)
         return {}
+    totals = {"loop": 0.0, "bulk": 0.0}
     for thread in threading.enumerate():
         if thread is threading.main_thread():
             role = "loop"
