@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import add_common_args, bench_result, summarize, table, write_json  # noqa: E402
 
 from mlxcel_plugin import openblas  # noqa: E402
+from mlxcel_plugin.link import generate_secret_file, load_cluster_secret  # noqa: E402
 from mlxcel_plugin.local_cluster import (  # noqa: E402
     LOOPBACK,
     NodeProcess,
@@ -57,7 +58,6 @@ from mlxcel_plugin.local_cluster import (  # noqa: E402
     pin_process,
     start_node,
 )
-from mlxcel_plugin.secret import generate_secret_file, load_cluster_secret  # noqa: E402
 from mlxcel_plugin.testing.link_driver import LinkDriver  # noqa: E402
 
 LONG_PROMPT_TOKENS = 2000

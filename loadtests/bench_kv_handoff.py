@@ -55,7 +55,6 @@ from bench_common import add_common_args, bench_result, table, write_json
 from engines import kv_convert
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
-from mlxcel_plugin.frames import BodyParts, Frame, FrameType, kv_frame
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
@@ -65,10 +64,9 @@ from mlxcel_plugin.kv_serde import (
     ReceiveMemory,
     SerializableCacheState,
 )
-from mlxcel_plugin.link import Link, LinkConfig
-from mlxcel_plugin.link_bulk import BULK_IN_THREAD, BULK_OUT_THREAD, SOCKET_BUFFER_BYTES
-from mlxcel_plugin.link_dial import dial_link
-from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.link import Link, LinkConfig, dial_link, serve_links
+from mlxcel_plugin.link.bulk import BULK_IN_THREAD, BULK_OUT_THREAD, SOCKET_BUFFER_BYTES
+from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType, kv_frame
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff
 from mlxcel_plugin.nodes.kv_wire import (
     FRAME_CHUNK_BYTES,

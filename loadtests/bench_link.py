@@ -27,10 +27,8 @@ from typing import Any
 
 from bench_common import add_common_args, bench_result, table, write_json
 
-from mlxcel_plugin.frames import Frame, FrameType
-from mlxcel_plugin.link import LinkConfig
-from mlxcel_plugin.link_dial import dial_link
-from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.link import LinkConfig, dial_link, serve_links
+from mlxcel_plugin.link.protocol.frames import Frame, FrameType
 
 MIB = 1024 * 1024
 SECRET = bytes(range(32))  # fixed: spawned receivers re-import this module

@@ -152,8 +152,8 @@ def start_router_cluster(workdir: Path, model: str, core: int):
 
 def start_router_over_fake_peers(workdir: Path, model: str, core: int):
     """The router process, pinned to ``core``, over zero-cost peers on the other core."""
+    from mlxcel_plugin.link.protocol.secret import generate_secret_file
     from mlxcel_plugin.local_cluster import start_node
-    from mlxcel_plugin.secret import generate_secret_file
 
     workdir.mkdir(parents=True, exist_ok=True)
     secret = workdir / "cluster.secret"

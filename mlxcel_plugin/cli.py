@@ -19,9 +19,9 @@ from typing import Any
 from mlxcel_plugin import openblas
 from mlxcel_plugin.config import ROLES, ServerConfig, build_config
 from mlxcel_plugin.errors import ConfigError, MlxcelError
+from mlxcel_plugin.link import require_cluster_secret
 from mlxcel_plugin.model_cache import DEFAULT_MODEL_DIRNAME, cache_dir
 from mlxcel_plugin.plugins import load_plugins
-from mlxcel_plugin.secret import require_cluster_secret
 
 PROG = "mlxcel-server"
 

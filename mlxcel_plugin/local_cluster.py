@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxcel_plugin.secret import generate_secret_file
+from mlxcel_plugin.link import generate_secret_file
 
 LOOPBACK = "127.0.0.1"
 

@@ -34,20 +34,20 @@ from mlxcel_plugin.errors import (
     NodeLostError,
     NoHealthyNodeError,
 )
-from mlxcel_plugin.frames import Request
-from mlxcel_plugin.stream_bridge import (
-    DECODE,
-    PREFILL,
-    BridgeOutput,
-    ResultEvent,
-    StreamBridge,
-)
+from mlxcel_plugin.link.protocol.frames import Request
 from router_plugin.admission import ADMIT, REJECT, AdmissionController, pool_utilization
 from router_plugin.backend import next_batch
 from router_plugin.balancers.base import Balancer, RequestInfo
 from router_plugin.health import HealthMonitor
 from router_plugin.peer_links import PeerEvent, PeerLink, PeerLinks
 from router_plugin.stats import RouterStats
+from router_plugin.stream_bridge import (
+    DECODE,
+    PREFILL,
+    BridgeOutput,
+    ResultEvent,
+    StreamBridge,
+)
 
 logger = logging.getLogger(__name__)
 

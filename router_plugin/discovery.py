@@ -13,8 +13,7 @@ from dataclasses import replace
 
 from mlxcel_plugin.config import ServerConfig
 from mlxcel_plugin.errors import ConfigError
-from mlxcel_plugin.link_dial import Backoff, dial_with_backoff
-from mlxcel_plugin.secret import ClusterSecret
+from mlxcel_plugin.link import Backoff, ClusterSecret, dial_with_backoff
 
 logger = logging.getLogger(__name__)
 

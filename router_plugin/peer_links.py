@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from mlxcel_plugin.errors import HandshakeError, NodeLostError
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link import RETRYABLE, Backoff, ClusterSecret, Link, LinkConfig, dial_link
+from mlxcel_plugin.link.protocol.frames import (
     Cancel,
     ErrorFrame,
     Frame,
@@ -28,10 +29,7 @@ from mlxcel_plugin.frames import (
     Result,
     Telemetry,
 )
-from mlxcel_plugin.handshake import PeerAtCapacity
-from mlxcel_plugin.link import Link, LinkConfig
-from mlxcel_plugin.link_dial import RETRYABLE, Backoff, dial_link
-from mlxcel_plugin.secret import ClusterSecret
+from mlxcel_plugin.link.protocol.handshake_messages import PeerAtCapacity
 from router_plugin.node_pool import NodePool, NodeTelemetry
 
 logger = logging.getLogger(__name__)

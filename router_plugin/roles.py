@@ -17,9 +17,8 @@ from mlxcel_plugin.config import dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine
 from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
+from mlxcel_plugin.link import require_cluster_secret
 from mlxcel_plugin.plugins import PluginRegistry
-from mlxcel_plugin.secret import require_cluster_secret
-from mlxcel_plugin.stream_bridge import DECODE, PREFILL
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
@@ -31,6 +30,7 @@ from router_plugin.health import HealthConfig, HealthMonitor
 from router_plugin.node_pool import NodePool
 from router_plugin.peer_links import PeerLinks, make_dialer
 from router_plugin.stats import RouterCollector, RouterStats, make_stats_route
+from router_plugin.stream_bridge import DECODE, PREFILL
 
 logger = logging.getLogger(__name__)
 

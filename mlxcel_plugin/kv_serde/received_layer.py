@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlxcel_plugin.checksum import crc32, crc32_combine
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
 from mlxcel_plugin.kv_serde.messages import TENSORS, LayerDescriptor
+from mlxcel_plugin.link.protocol.checksum import crc32, crc32_combine
 
 
 @dataclass

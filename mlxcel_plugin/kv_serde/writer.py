@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 
-from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec, storage_dtype
 from mlxcel_plugin.kv_codecs.base import raw_view
@@ -27,6 +26,7 @@ from mlxcel_plugin.kv_serde.messages import (
     KVMessage,
     LayerDescriptor,
 )
+from mlxcel_plugin.link.protocol.checksum import crc32
 
 MIB = 1 << 20
 RECORD_BYTES = 8 * MIB  # the link's plaintext record bound

@@ -27,7 +27,10 @@ from mlxcel_plugin.engine_api import (
 )
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.kv_codecs import KVCodec
+from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, make_ack
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.link.protocol.frames import (
     Cancel,
     ErrorFrame,
     Frame,
@@ -37,9 +40,6 @@ from mlxcel_plugin.frames import (
     Result,
     Telemetry,
 )
-from mlxcel_plugin.kv_codecs import KVCodec
-from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, make_ack
-from mlxcel_plugin.link import Link
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics

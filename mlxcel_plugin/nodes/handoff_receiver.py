@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from mlxcel_plugin.engine_api import KVBufferMaker, LayerAdopter
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
-from mlxcel_plugin.frames import BodyParts, Frame, FrameType
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import (
     AssemblerLimits,
@@ -36,6 +35,7 @@ from mlxcel_plugin.kv_serde import (
     SerializableCacheState,
 )
 from mlxcel_plugin.link import Link
+from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType
 from mlxcel_plugin.nodes.kv_wire import chunk_destinations, end_first_token, frame_to_messages
 
 logger = logging.getLogger(__name__)

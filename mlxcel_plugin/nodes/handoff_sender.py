@@ -20,12 +20,18 @@ from dataclasses import dataclass, field
 
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.errors import HandoffError, MlxcelError, NodeLostError
-from mlxcel_plugin.frames import Cancel, Frame, FrameType
 from mlxcel_plugin.kv_serde import AckHeader, HandoffHeader, KVMessage
-from mlxcel_plugin.link import Link, LinkClosed, LinkConfig
-from mlxcel_plugin.link_dial import RETRYABLE, Backoff, dial_with_backoff
+from mlxcel_plugin.link import (
+    RETRYABLE,
+    Backoff,
+    ClusterSecret,
+    Link,
+    LinkClosed,
+    LinkConfig,
+    dial_with_backoff,
+)
+from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType
 from mlxcel_plugin.nodes.kv_wire import frames_for
-from mlxcel_plugin.secret import ClusterSecret
 from mlxcel_plugin.transfer import TransferStrategy
 
 logger = logging.getLogger(__name__)

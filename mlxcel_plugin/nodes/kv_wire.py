@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlxcel_plugin.frames import Body, BodyParts, Frame, FrameType, kv_frame
 from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
+from mlxcel_plugin.link.protocol.frames import Body, BodyParts, Frame, FrameType, kv_frame
 
 KIND_TO_TYPE = {
     "begin": FrameType.KV_BEGIN,

@@ -19,8 +19,8 @@ import collections
 import logging
 from dataclasses import dataclass
 
-from mlxcel_plugin.frames import Frame, Result
 from mlxcel_plugin.link import Link, LinkClosed
+from mlxcel_plugin.link.protocol.frames import Frame, Result
 
 logger = logging.getLogger(__name__)
 

@@ -24,18 +24,18 @@ from typing import Any
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.kv_codecs import KVCodec
+from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
+from mlxcel_plugin.link import Link
+from mlxcel_plugin.link.protocol.frames import (
     ErrorFrame,
     Frame,
     FrameError,
     Request,
     Result,
     Telemetry,
-    decode_target_allowed,
 )
-from mlxcel_plugin.kv_codecs import KVCodec
-from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
-from mlxcel_plugin.link import Link
+from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
@@ -98,7 +98,7 @@ class PrefillNode:
     def __init__(self, parts: PrefillNodeParts, links: DecodeLinks, node_id: str,
                  env: Mapping[str, str] | None = None):
         self.parts, self.engine, self.node_id = parts, parts.engine, node_id
-        self.env = os.environ if env is None else env
+        self.allowlist = DecodeAllowlist.from_env(os.environ if env is None else env)
         self.scheduler = PrefillScheduler(parts.scheduler_config)
         self.links = links
         self.selector = AdaptiveSelector(parts.transfer_config, parts.codecs)
@@ -179,7 +179,7 @@ class PrefillNode:
 
     def _choose_target(self, wanted: str | None) -> tuple[str, bool]:
         if wanted:
-            if not decode_target_allowed(wanted, self.env):
+            if not self.allowlist.allows(wanted):
                 raise MlxcelError(f"decode target {wanted} is not allowed",
                                   code="decode_target_refused")
             return wanted, True

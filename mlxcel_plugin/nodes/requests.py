@@ -9,7 +9,14 @@ from typing import Any
 
 from mlxcel_plugin.engine_api import GenerationRequest, SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError, MlxcelError
-from mlxcel_plugin.frames import Cancel, ErrorFrame, Frame, FrameError, FrameType, Request
+from mlxcel_plugin.link.protocol.frames import (
+    Cancel,
+    ErrorFrame,
+    Frame,
+    FrameError,
+    FrameType,
+    Request,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,7 @@ from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
-from mlxcel_plugin.link import Link, LinkConfig
-from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
 from mlxcel_plugin.nodes.ops_http import OpsRoutes, serve_ops_http
@@ -30,7 +29,6 @@ from mlxcel_plugin.nodes.prefill_node import PrefillNode, PrefillNodeParts
 from mlxcel_plugin.nodes.telemetry import send_telemetry
 from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.scheduling import DecodeSchedulerConfig, PrefillSchedulerConfig
-from mlxcel_plugin.secret import ClusterSecret, require_cluster_secret
 from mlxcel_plugin.transfer import AUTO, TransferConfig
 
 logger = logging.getLogger(__name__)

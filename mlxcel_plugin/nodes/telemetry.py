@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from mlxcel_plugin.frames import Telemetry
 from mlxcel_plugin.link import Link, LinkClosed
+from mlxcel_plugin.link.protocol.frames import Telemetry
 
 logger = logging.getLogger(__name__)
 DEFAULT_INTERVAL_S = 0.5

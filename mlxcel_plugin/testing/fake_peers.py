@@ -19,7 +19,8 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link import ClusterSecret, Link, LinkServer, load_cluster_secret, serve_links
+from mlxcel_plugin.link.protocol.frames import (
     Cancel,
     ErrorFrame,
     FrameType,
@@ -27,9 +28,6 @@ from mlxcel_plugin.frames import (
     Result,
     Telemetry,
 )
-from mlxcel_plugin.link import Link
-from mlxcel_plugin.link_server import LinkServer, serve_links
-from mlxcel_plugin.secret import ClusterSecret, load_cluster_secret
 
 SECRET = bytes(range(32))
 EOS = 2

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link import ClusterSecret, Link, dial_link
+from mlxcel_plugin.link.protocol.frames import (
     Cancel,
     ErrorFrame,
     Frame,
@@ -29,9 +30,6 @@ from mlxcel_plugin.frames import (
     Result,
     Telemetry,
 )
-from mlxcel_plugin.link import Link
-from mlxcel_plugin.link_dial import dial_link
-from mlxcel_plugin.secret import ClusterSecret
 
 
 @dataclass

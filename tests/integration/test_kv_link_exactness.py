@@ -52,7 +52,7 @@ LANES = {"full": 1, "streamed": 1, "layer-parallel": 3}
 
 
 def _link_config() -> Any:
-    from mlxcel_plugin.link import LinkConfig
+    from mlxcel_plugin.link.connection import LinkConfig
 
     return LinkConfig(ping_interval_s=None, ping_timeout_s=None)
 
@@ -93,10 +93,10 @@ class _TokenWaiter:
 
 async def _decode_main(model: str) -> None:
     from mlxcel_plugin.engine_api import layer_adopter
-    from mlxcel_plugin.frames import FrameType
     from mlxcel_plugin.kv_codecs import builtin_codecs
     from mlxcel_plugin.kv_serde import KVAssembler, ModelFingerprint
-    from mlxcel_plugin.link_server import serve_links
+    from mlxcel_plugin.link.protocol.frames import FrameType
+    from mlxcel_plugin.link.server import serve_links
     from mlxcel_plugin.nodes.kv_wire import KV_TYPES, end_first_token, frame_to_messages
 
     engine = _load_engine(model)
@@ -218,7 +218,7 @@ async def _prefill_and_send(
 
 async def _prefill_main(model: str, decode_addr: str) -> None:
     from mlxcel_plugin.engine_api import GenerationRequest
-    from mlxcel_plugin.link_dial import dial_link
+    from mlxcel_plugin.link.dial import dial_link
 
     engine = _load_engine(model)
     lanes = [

@@ -21,14 +21,18 @@ import pytest
 
 from mlxcel_plugin import openblas
 from mlxcel_plugin.engine_api import CacheState, GenerationRequest, SamplingParams
-from mlxcel_plugin.frames import Frame, FrameType, Request
 from mlxcel_plugin.kv_serde import AckHeader, HandoffHeader, ModelFingerprint
 from mlxcel_plugin.kv_serde.header import SerializableSamplingState
-from mlxcel_plugin.link import Link
-from mlxcel_plugin.link_dial import dial_link
+from mlxcel_plugin.link import (
+    ClusterSecret,
+    Link,
+    dial_link,
+    generate_secret_file,
+    load_cluster_secret,
+)
+from mlxcel_plugin.link.protocol.frames import Frame, FrameType, Request
 from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node
 from mlxcel_plugin.nodes.kv_wire import message_to_frame
-from mlxcel_plugin.secret import ClusterSecret, generate_secret_file, load_cluster_secret
 from mlxcel_plugin.testing.fake_engine import (
     EOS_TRIGGER_TOKEN_ID,
     FakeEngine,

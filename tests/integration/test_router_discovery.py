@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from mlxcel_plugin.link import generate_secret_file
 from mlxcel_plugin.local_cluster import LocalCluster, start_node
-from mlxcel_plugin.secret import generate_secret_file
 from tests.integration.test_router_cluster import MODEL, fake_model_dir
 
 STARTUP_TIMEOUT_S = 120

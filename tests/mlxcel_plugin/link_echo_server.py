@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from mlxcel_plugin.link import LinkConfig
-from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.link import LinkConfig, serve_links
 
 
 async def echo(link) -> None:

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link.protocol.frames import (
     MAX_PROMPT_TOKENS,
     Cancel,
     ErrorFrame,
@@ -18,13 +18,12 @@ from mlxcel_plugin.frames import (
     Telemetry,
     UnknownFrameType,
     decode_frame,
-    decode_target_allowed,
     encode_frame,
     kv_frame,
     pack_token_ids,
     parse_typed,
 )
-from mlxcel_plugin.handshake import ClientHandshake, ServerHandshake
+from mlxcel_plugin.link.protocol.handshake import ClientHandshake, ServerHandshake
 
 GOLDEN = bytes.fromhex("07" "0000000f" "81" "aa" + b"request_id".hex() + "a2" + b"r1".hex()) + b"xy"
 
@@ -123,13 +122,6 @@ def test_unknown_frame_type_is_its_own_error():
 def test_header_must_be_a_map():
     with pytest.raises(MalformedFrame):
         decode_frame(b"\x07\x00\x00\x00\x01" + msgpack.packb(1))
-
-
-def test_decode_target_allowlist():
-    assert decode_target_allowed("10.0.0.1:9000", {})
-    env = {"MLXCEL_DECODE_ALLOWLIST": "10.0.0.1:9000, 10.0.0.2:9000"}
-    assert decode_target_allowed("10.0.0.2:9000", env)
-    assert not decode_target_allowed("evil.example:9000", env)
 
 
 # ---------------------------------------------------------------- fuzzing

@@ -6,17 +6,17 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from mlxcel_plugin.errors import ConfigError, HandshakeError
-from mlxcel_plugin.handshake import (
+from mlxcel_plugin.link import ClusterSecret
+from mlxcel_plugin.link.protocol.handshake import ClientHandshake, ServerHandshake
+from mlxcel_plugin.link.protocol.handshake_messages import (
     MSG_SERVER_HELLO,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     BadKeyShare,
     BadMac,
-    ClientHandshake,
     MalformedHandshake,
     PeerAtCapacity,
     RoleRefused,
-    ServerHandshake,
     UnexpectedMessage,
     VerdictKind,
     VersionMismatch,
@@ -25,7 +25,6 @@ from mlxcel_plugin.handshake import (
     handshake_mac,
     parse_hello,
 )
-from mlxcel_plugin.secret import ClusterSecret
 
 SECRET = bytes(range(32))
 WRONG = bytes(range(1, 33))

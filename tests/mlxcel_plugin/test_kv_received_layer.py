@@ -8,7 +8,6 @@ import zlib
 import numpy as np
 import pytest
 
-from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.engine_api import CacheLayer, kv_buffer_maker, layer_adopter
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import (
@@ -18,6 +17,7 @@ from mlxcel_plugin.kv_serde import (
     ReceiveMemory,
     SerializableCacheState,
 )
+from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
     make_cache,

@@ -12,7 +12,16 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link import (
+    Backoff,
+    LinkClosed,
+    LinkConfig,
+    dial_link,
+    dial_with_backoff,
+    serve_links,
+)
+from mlxcel_plugin.link.bulk import BULK_IN_THREAD, record_spans
+from mlxcel_plugin.link.protocol.frames import (
     BodyParts,
     Frame,
     FrameType,
@@ -22,12 +31,9 @@ from mlxcel_plugin.frames import (
     Result,
     decode_frame,
 )
-from mlxcel_plugin.handshake import BadMac, ClientHandshake, PeerAtCapacity, RoleRefused
-from mlxcel_plugin.link import LinkClosed, LinkConfig
-from mlxcel_plugin.link_bulk import BULK_IN_THREAD, record_spans
-from mlxcel_plugin.link_dial import Backoff, dial_link, dial_with_backoff
-from mlxcel_plugin.link_records import KIND_BATCH, KIND_FRAME, split_batch
-from mlxcel_plugin.link_server import serve_links
+from mlxcel_plugin.link.protocol.handshake import ClientHandshake
+from mlxcel_plugin.link.protocol.handshake_messages import BadMac, PeerAtCapacity, RoleRefused
+from mlxcel_plugin.link.protocol.record_reader import KIND_BATCH, KIND_FRAME, split_batch
 
 SECRET = bytes(range(32))
 WRONG = bytes(range(100, 132))

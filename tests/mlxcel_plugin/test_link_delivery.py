@@ -3,9 +3,9 @@
 import asyncio
 import logging
 
-from mlxcel_plugin.frames import Frame, FrameType, MalformedFrame
-from mlxcel_plugin.link_delivery import FrameDelivery
-from mlxcel_plugin.link_records import BulkBody
+from mlxcel_plugin.link.delivery import FrameDelivery
+from mlxcel_plugin.link.protocol.frames import Frame, FrameType, MalformedFrame
+from mlxcel_plugin.link.protocol.record_reader import BulkBody
 
 
 def frame(name):

@@ -3,8 +3,8 @@
 import pytest
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import Result, decode_frame, encode_frame
-from mlxcel_plugin.link_records import (
+from mlxcel_plugin.link.protocol.frames import Result, decode_frame, encode_frame
+from mlxcel_plugin.link.protocol.record_reader import (
     BULK_LEN,
     KIND_BATCH,
     KIND_BULK,

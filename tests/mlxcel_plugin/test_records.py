@@ -1,6 +1,6 @@
 import pytest
 
-from mlxcel_plugin.records import (
+from mlxcel_plugin.link.protocol.records import (
     RecordAuthError,
     RecordError,
     RecordReceiver,

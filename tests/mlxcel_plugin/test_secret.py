@@ -4,7 +4,7 @@ import stat
 import pytest
 
 from mlxcel_plugin.errors import ConfigError
-from mlxcel_plugin.secret import (
+from mlxcel_plugin.link.protocol.secret import (
     ClusterSecret,
     generate_secret_file,
     load_cluster_secret,

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from mlxcel_plugin.send_budget import ByteBudget
+from mlxcel_plugin.link.send_budget import ByteBudget
 
 
 def is_open() -> bool:

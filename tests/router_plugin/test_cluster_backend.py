@@ -12,7 +12,7 @@ import pytest
 
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import AtCapacityError, NoHealthyNodeError
-from mlxcel_plugin.link_dial import Backoff
+from mlxcel_plugin.link import Backoff
 from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
 from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend

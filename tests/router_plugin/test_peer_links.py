@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from mlxcel_plugin.frames import ErrorFrame, Result
-from mlxcel_plugin.link_dial import Backoff
+from mlxcel_plugin.link import Backoff
+from mlxcel_plugin.link.protocol.frames import ErrorFrame, Result
 from mlxcel_plugin.testing.fake_peers import SECRET, FakeDecode, FakePrefill
 from router_plugin.node_pool import NodeHealth, NodePool
 from router_plugin.peer_links import PeerEvent, PeerLinks, make_dialer

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel_plugin.frames import BodyParts, FrameType
 from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
 from mlxcel_plugin.kv_serde import SerializableCacheState
+from mlxcel_plugin.link.protocol.frames import BodyParts, FrameType
 from mlxcel_plugin.nodes import kv_wire
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import message_to_frame

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from mlxcel_plugin.frames import FrameType
 from mlxcel_plugin.link import LinkClosed
+from mlxcel_plugin.link.protocol.frames import FrameType
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff, TargetLost
 from mlxcel_plugin.nodes.kv_wire import frame_to_messages
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header

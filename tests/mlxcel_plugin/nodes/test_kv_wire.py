@@ -2,8 +2,8 @@
 
 import pytest
 
-from mlxcel_plugin.frames import BodyParts, FrameType, Request
 from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
+from mlxcel_plugin.link.protocol.frames import BodyParts, FrameType, Request
 from mlxcel_plugin.nodes.kv_wire import (
     chunk_destinations,
     end_first_token,

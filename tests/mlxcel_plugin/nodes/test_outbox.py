@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mlxcel_plugin.frames import Cancel, Frame, FrameType, Result
+from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType, Result
 from mlxcel_plugin.nodes.outbox import Outbox
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from mlxcel_plugin.engine_api import CacheState, GenerationRequest, SamplingParams
 from mlxcel_plugin.errors import EngineError, InvalidRequestError
-from mlxcel_plugin.frames import Request
+from mlxcel_plugin.link.protocol.frames import Request
 from mlxcel_plugin.nodes.metrics import DecodeMetrics
 from mlxcel_plugin.nodes.ops_http import OpsRoutes, parse_request_line, render, respond
 from mlxcel_plugin.nodes.requests import generation_request, sampling_params

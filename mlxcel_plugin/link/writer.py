@@ -19,10 +19,10 @@ from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import BodyParts, Frame, encode_frame, encode_header
-from mlxcel_plugin.handshake import Session
-from mlxcel_plugin.link_bulk import BulkPipe
-from mlxcel_plugin.link_records import (
+from mlxcel_plugin.link.bulk import BulkPipe
+from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, encode_frame, encode_header
+from mlxcel_plugin.link.protocol.handshake import Session
+from mlxcel_plugin.link.protocol.record_reader import (
     BATCH_MIN_MINOR,
     BATCH_OVERHEAD_BYTES,
     batch_record,
@@ -30,7 +30,7 @@ from mlxcel_plugin.link_records import (
     frame_record,
     part_records,
 )
-from mlxcel_plugin.send_budget import ByteBudget
+from mlxcel_plugin.link.send_budget import ByteBudget
 
 logger = logging.getLogger("mlxcel_plugin.link")
 

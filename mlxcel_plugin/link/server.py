@@ -18,8 +18,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.handshake import ServerHandshake, Session, VerdictKind
-from mlxcel_plugin.link import (
+from mlxcel_plugin.link.bulk import BulkListener, make_channel
+from mlxcel_plugin.link.connection import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_POLICY_VIOLATION,
     CLOSE_TRY_AGAIN_LATER,
@@ -27,8 +27,9 @@ from mlxcel_plugin.link import (
     LinkConfig,
     _format_address,
 )
-from mlxcel_plugin.link_bulk import BulkListener, make_channel
-from mlxcel_plugin.secret import ClusterSecret
+from mlxcel_plugin.link.protocol.handshake import ServerHandshake, Session
+from mlxcel_plugin.link.protocol.handshake_messages import VerdictKind
+from mlxcel_plugin.link.protocol.secret import ClusterSecret
 
 logger = logging.getLogger("mlxcel_plugin.link")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link.protocol.frames import (
     BodyParts,
     Frame,
     FrameType,

@@ -12,11 +12,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.handshake import ClientHandshake, PeerAtCapacity
-from mlxcel_plugin.link import CLOSE_POLICY_VIOLATION, Link, LinkClosed, LinkConfig
-from mlxcel_plugin.link_bulk import BulkChannel, attach_client
-from mlxcel_plugin.link_server import parse_bind, recv_handshake_message
-from mlxcel_plugin.secret import ClusterSecret
+from mlxcel_plugin.link.bulk import BulkChannel, attach_client
+from mlxcel_plugin.link.connection import CLOSE_POLICY_VIOLATION, Link, LinkClosed, LinkConfig
+from mlxcel_plugin.link.protocol.handshake import ClientHandshake
+from mlxcel_plugin.link.protocol.handshake_messages import PeerAtCapacity
+from mlxcel_plugin.link.protocol.secret import ClusterSecret
+from mlxcel_plugin.link.server import parse_bind, recv_handshake_message
 
 logger = logging.getLogger("mlxcel_plugin.link")
 

@@ -31,23 +31,23 @@ from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import NodeLostError, ProtocolError
-from mlxcel_plugin.frames import (
+from mlxcel_plugin.link.bulk import DEFAULT_CHUNK_BYTES, BulkChannel, BulkPipe
+from mlxcel_plugin.link.delivery import FrameDelivery
+from mlxcel_plugin.link.protocol.frames import (
     BodyParts,
     Frame,
     FrameType,
     Ping,
     frame_size,
 )
-from mlxcel_plugin.handshake import PeerInfo, Session
-from mlxcel_plugin.link_bulk import DEFAULT_CHUNK_BYTES, BulkChannel, BulkPipe
-from mlxcel_plugin.link_delivery import FrameDelivery
-from mlxcel_plugin.link_records import (
+from mlxcel_plugin.link.protocol.handshake import PeerInfo, Session
+from mlxcel_plugin.link.protocol.record_reader import (
     BulkBody,
     FrameTooLarge,
     RecordReader,
 )
-from mlxcel_plugin.link_writer import LinkWriter
-from mlxcel_plugin.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
+from mlxcel_plugin.link.protocol.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
+from mlxcel_plugin.link.writer import LinkWriter
 
 logger = logging.getLogger("mlxcel_plugin.link")
 

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.frames import Frame
-from mlxcel_plugin.link_records import BulkBody
+from mlxcel_plugin.link.protocol.frames import Frame
+from mlxcel_plugin.link.protocol.record_reader import BulkBody
 
 logger = logging.getLogger("mlxcel_plugin.link")
 

@@ -30,11 +30,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mlxcel_plugin.body_parts import BodyParts
-from mlxcel_plugin.checksum import crc32
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.handshake import Session
-from mlxcel_plugin.records import TAG_BYTES, RecordReceiver, RecordSender
+from mlxcel_plugin.link.protocol.body_parts import BodyParts
+from mlxcel_plugin.link.protocol.checksum import crc32
+from mlxcel_plugin.link.protocol.handshake import Session
+from mlxcel_plugin.link.protocol.records import TAG_BYTES, RecordReceiver, RecordSender
 
 logger = logging.getLogger("mlxcel_plugin.link")
 

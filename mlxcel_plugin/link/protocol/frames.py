@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from mlxcel_plugin.body_parts import BodyParts
 from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.link.protocol.body_parts import BodyParts
 
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_PROMPT_TOKENS = 1_048_576  # prompt admission cap on REQUEST frames
@@ -390,19 +390,3 @@ def parse_typed(frame: Frame) -> Any:
     """The typed dataclass for a frame, or the frame itself for KV frames."""
     cls = TYPED_FRAMES.get(frame.type)
     return frame if cls is None else cls.from_frame(frame)
-
-
-# ---------------------------------------------------------------- guards
-
-DECODE_ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
-
-
-def decode_target_allowed(target: str, env: Mapping[str, str]) -> bool:
-    """May a prefill node hand a KV cache to ``target`` (host:port)?
-
-    ``MLXCEL_DECODE_ALLOWLIST`` is a comma-separated list of host:port; unset
-    or empty allows any target (the router is authenticated by the handshake).
-    """
-    raw = env.get(DECODE_ALLOWLIST_ENV, "")
-    allowed = {item.strip() for item in raw.split(",") if item.strip()}
-    return not allowed or target.strip() in allowed

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from mlxcel_plugin.engine_api import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
-from mlxcel_plugin.stream_bridge import (
+from router_plugin.stream_bridge import (
     DECODE,
     PREFILL,
     BridgeOutput,
