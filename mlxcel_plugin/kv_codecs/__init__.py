@@ -13,8 +13,9 @@ from mlxcel_plugin.kv_codecs.base import (
     storage_dtype,
 )
 from mlxcel_plugin.kv_codecs.chain import ChainCodec
+from mlxcel_plugin.kv_codecs.floats import from_float32, to_float32
 from mlxcel_plugin.kv_codecs.lossless import IdentityCodec, Lz4Codec, ShuffleCodec
-from mlxcel_plugin.kv_codecs.quant import GroupQuantCodec, from_float32, to_float32
+from mlxcel_plugin.kv_codecs.quant import GroupQuantCodec
 from mlxcel_plugin.kv_codecs.registry import builtin_codecs, resolve_codec
 
 __all__ = [

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -63,131 +63,26 @@ from mlxcel_plugin.kv_codecs.base import (
     CodecError,
     CodecProfile,
     CorruptChunk,
-    meta_bool,
-    meta_int,
     storage_dtype,
 )
+from mlxcel_plugin.kv_codecs.floats import (
+    F32_MAX,
+    finite_max,
+    from_float32,
+    round_down,
+    to_float32,
+)
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
-from mlxcel_plugin.kv_codecs.rotation import MAX_BLOCK, is_rotation_block, rotate, rotation_block
+from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat, effective_group
+from mlxcel_plugin.kv_codecs.rotation import MAX_BLOCK, rotate, rotation_block
+
+# Re-exported: callers imported the float helpers from here before they had a module.
+__all__ = ["GroupQuantCodec", "finite_max", "from_float32", "round_down", "to_float32"]
 
 _SCALE = np.dtype("<f4")
 SCALE_F4, SCALE_F2, SCALE_BF16 = "f4", "f2", "bf16"
 _SCALE_DTYPES = {SCALE_F4: _SCALE, SCALE_F2: np.dtype("<f2"), SCALE_BF16: np.dtype("<u2")}
 _F16_MIN_NORMAL = 2.0**-14  # below it a float16 scale loses precision
-_F16_MAX = 65504.0
-_BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))
-_F32_MAX = float(np.finfo(np.float32).max)
-# Bounds for a hostile meta; real layers are far below them.
-MAX_TOKENS_PER_HEAD = 1 << 24
-MAX_TOKEN_GROUP = 1 << 16
-
-
-def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        # bf16 is the top half of an f32: shift the bits back into place.
-        return (array.astype("<u4") << 16).view("<f4")
-    if dtype in ("float16", "float32"):
-        return array.astype("<f4")
-    raise CodecError(f"quantization needs a float tensor, got {dtype!r}")
-
-
-def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        bits = values.astype("<f4").view("<u4")
-        # Round to nearest even on the 16 dropped bits, as MLX's own cast does.
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
-        return rounded.astype("<u2")
-    return values.astype(storage_dtype(dtype))
-
-
-def round_down(values: np.ndarray, dtype: str) -> np.ndarray:
-    """``values`` (float32) in ``dtype``'s storage, each the largest one not above it."""
-    stored = from_float32(values, dtype)
-    if dtype == "float32":
-        return stored
-    above = to_float32(stored, dtype) > values
-    if dtype == "float16":
-        return np.where(above, np.nextafter(stored, np.float16(-np.inf)), stored)
-    # bfloat16 bits: one step down is one less in magnitude if positive, one more if not.
-    negative = (stored & np.uint16(0x8000)) != 0
-    step = np.where(negative, stored + np.uint16(1), stored - np.uint16(1))
-    step = np.where(stored == 0, np.uint16(0x8001), step).astype("<u2")
-    return np.where(above, step, stored)
-
-
-def finite_max(dtype: str) -> float:
-    """The largest finite value of ``dtype``: decoded values are clipped to it."""
-    return {"float16": _F16_MAX, "bfloat16": _BF16_MAX}.get(dtype, _F32_MAX)
-
-
-def effective_group(head_dim: int, group_size: int) -> int:
-    """Groups never straddle rows; a head_dim the group does not divide uses whole rows."""
-    return group_size if head_dim % group_size == 0 else head_dim
-
-
-@dataclass(frozen=True)
-class ChunkFormat:
-    """How one chunk was quantized: everything ``decode`` needs besides the shape."""
-
-    group: int
-    along_tokens: bool
-    asymmetric: bool
-    span: TokenSpan | None  # None: no layout was known (no exact rows, no token groups)
-    rotation: int = 0  # Hadamard block the rows were rotated in; 0: not rotated
-
-    def to_meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"g": self.group}
-        if self.along_tokens:
-            meta["a"] = "t"
-        if self.asymmetric:
-            meta["z"] = True
-        if self.span is not None:
-            meta.update(t=self.span.tokens, r=self.span.first, x=self.span.exact)
-        if self.rotation:
-            meta["h"] = self.rotation
-        return meta
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any], head_dim: int) -> ChunkFormat:
-        along_tokens = _meta_axis(meta)
-        span = _meta_span(meta) if along_tokens or "t" in meta else None
-        if along_tokens and span is None:
-            raise CorruptChunk("token groups need the chunk's token span")
-        group_limit = MAX_TOKEN_GROUP if along_tokens else max(head_dim, 1)
-        group = meta_int(meta, "g", 1, group_limit)
-        if not along_tokens and head_dim % group:
-            raise CorruptChunk(f"group {group} does not divide head_dim {head_dim}")
-        asymmetric = meta_bool(meta, "z") if "z" in meta else False
-        rotation = meta_int(meta, "h", 2, MAX_BLOCK) if "h" in meta else 0
-        if rotation and not is_rotation_block(rotation, head_dim):
-            raise CorruptChunk(f"rotation block {rotation} does not fit head_dim {head_dim}")
-        return cls(group, along_tokens, asymmetric, span, rotation)
-
-    def split(self, rows: int, head_dim: int) -> tuple[np.ndarray | None, DimGroups | TokenGroups]:
-        """(mask of rows sent exact, or None; the groups of the other rows)."""
-        exact = None
-        positions = None
-        if self.span is not None:
-            positions = self.span.positions(rows)
-            exact = positions < self.span.exact if self.span.exact else None
-        quantized = rows - (int(exact.sum()) if exact is not None else 0)
-        if not self.along_tokens:
-            return exact, DimGroups(self.group, quantized, head_dim)
-        if exact is not None:
-            positions = positions[~exact]
-        return exact, TokenGroups(self.group, positions, head_dim, self.span.exact)
-
-
-def _meta_axis(meta: Mapping[str, Any]) -> bool:
-    axis = meta.get("a") if isinstance(meta, Mapping) else None
-    if axis not in (None, "t"):
-        raise CorruptChunk(f"codec meta 'a' must be 't' or absent, got {axis!r:.20}")
-    return axis == "t"
-
-
-def _meta_span(meta: Mapping[str, Any]) -> TokenSpan:
-    tokens = meta_int(meta, "t", 1, MAX_TOKENS_PER_HEAD)
-    return TokenSpan(tokens, meta_int(meta, "r", 0, tokens - 1), meta_int(meta, "x", 0, tokens))
 
 
 class GroupQuantCodec:
@@ -336,7 +231,7 @@ class GroupQuantCodec:
     def _max_scale(self, dtype: str, asymmetric: bool) -> float:
         """The largest scale an encoder of ``dtype`` data produces (an asymmetric range
         spans up to twice the dtype's max), with slack for float32 rounding."""
-        reach = finite_max(dtype) if dtype != "bfloat16" else _F32_MAX
+        reach = finite_max(dtype) if dtype != "bfloat16" else F32_MAX
         steps = self.levels if asymmetric else self.qmax
         return (2 if asymmetric else 1) * reach / steps * (1 + 2.0**-20)
 

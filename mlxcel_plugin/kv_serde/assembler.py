@@ -24,13 +24,8 @@ import numpy as np
 
 from mlxcel_plugin.engine_api import CacheState, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
-from mlxcel_plugin.kv_codecs import (
-    CorruptChunk,
-    IdentityCodec,
-    KVCodec,
-    resolve_codec,
-    storage_dtype,
-)
+from mlxcel_plugin.kv_codecs import IdentityCodec, KVCodec, resolve_codec, storage_dtype
+from mlxcel_plugin.kv_serde.chunk_body import decode_chunk_into, occupies
 from mlxcel_plugin.kv_serde.errors import (
     ChecksumMismatch,
     LayerCountMismatch,
@@ -234,7 +229,7 @@ class KVAssembler:
             del layer.reserved[(chunk.tensor, chunk.row)]
         else:
             self._claim(chunk, layer)
-        in_place = _occupies(body, self._rows_view(chunk, layer))
+        in_place = occupies(body, self._rows_view(chunk, layer))
         if not in_place:
             self._decode_into(chunk, body, layer.tensors[chunk.tensor])
         self.received_chunks += 1
@@ -336,23 +331,9 @@ class KVAssembler:
         return layer
 
     def _decode_into(self, chunk: ChunkHeader, body: Any, tensor: np.ndarray) -> None:
-        fp = self.local
-        codec = self._codec
-        if codec is None:  # only reachable through a bug: set together with the header
+        if self._codec is None:  # only reachable through a bug: set together with the header
             raise UnexpectedMessage("no codec yet")
-        shape = (chunk.rows, fp.head_dim)
-        try:
-            decoded = codec.decode(body, chunk.codec_meta, shape, fp.dtype)
-        except HandoffError:
-            raise
-        except Exception as exc:  # a plugin codec's own failure fails this handoff only
-            raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
-        if not isinstance(decoded, np.ndarray) or decoded.shape != shape:
-            raise CorruptChunk(f"codec {codec.name} returned the wrong shape")
-        if decoded.dtype != tensor.dtype:
-            raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {tensor.dtype}")
-        # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
-        tensor.reshape(-1, fp.head_dim)[chunk.row : chunk.row + chunk.rows] = decoded
+        decode_chunk_into(self._codec, chunk, body, tensor, self.local)
 
     # -- end ---------------------------------------------------------------
 
@@ -402,11 +383,3 @@ def assemble_messages(
     if result is None:
         raise TruncatedLayer(f"handoff incomplete: {assembler.progress()}")
     return result
-
-
-def _occupies(body: Any, dest: memoryview) -> bool:
-    """True when ``body`` already is ``dest``'s bytes (written in place): nothing to copy."""
-    if len(body) != len(dest) or not len(dest):
-        return False
-    body_at = np.frombuffer(body, dtype=np.uint8).ctypes.data
-    return body_at == np.frombuffer(dest, dtype=np.uint8).ctypes.data

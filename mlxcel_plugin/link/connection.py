@@ -8,13 +8,13 @@ message after the handshake is one AES-GCM record carrying one link record:
     0x02 PART   ‖ a piece of an encoded frame (more follow)
     0x03 LAST   ‖ the last piece
 
-Large bodies go over the bulk channel (``link_bulk``) when both ends have one,
+Large bodies go over the bulk channel (``bulk``) when both ends have one,
 otherwise they are split into PART/LAST records no bigger than the record bound.
-A consumer may register a body sink (``set_body_sink``) that names, per
-announced bulk frame, the buffer its body should be decrypted into — the KV
-receiver points it at the layer buffer, so a body is written once.
+A consumer may register a body sink (``set_body_sink``, see ``bodies``) that
+names, per announced bulk frame, the buffer its body should be decrypted into —
+the KV receiver points it at the layer buffer, so a body is written once.
 Sends go through a byte-bounded queue drained by one writer task
-(``link_writer``), so a slow peer makes ``send`` wait instead of growing
+(``writer``), so a slow peer makes ``send`` wait instead of growing
 memory, and a cancelled ``send`` can never leave half a record on the wire.
 One reader task decrypts, answers PINGs, and hands frames to ``recv``
 through a bounded queue.
@@ -25,70 +25,41 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import NodeLostError, ProtocolError
-from mlxcel_plugin.link.bulk import DEFAULT_CHUNK_BYTES, BulkChannel, BulkPipe
+from mlxcel_plugin.link.bodies import BodySink, flat_body, sink_buffer
+from mlxcel_plugin.link.bulk import BulkChannel, BulkPipe
+from mlxcel_plugin.link.config import (
+    CLOSE_GOING_AWAY,
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_TRY_AGAIN_LATER,
+    LinkConfig,
+)
 from mlxcel_plugin.link.delivery import FrameDelivery
-from mlxcel_plugin.link.protocol.frames import (
-    BodyParts,
-    Frame,
-    FrameType,
-    Ping,
-    frame_size,
-)
+from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType, Ping, frame_size
 from mlxcel_plugin.link.protocol.handshake import PeerInfo, Session
-from mlxcel_plugin.link.protocol.record_reader import (
-    BulkBody,
-    FrameTooLarge,
-    RecordReader,
-)
-from mlxcel_plugin.link.protocol.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
+from mlxcel_plugin.link.protocol.record_reader import BulkBody, FrameTooLarge, RecordReader
 from mlxcel_plugin.link.writer import LinkWriter
 
+# Re-exported: the link's config, close codes and body sink lived here before their modules.
+__all__ = [
+    "CLOSE_GOING_AWAY",
+    "CLOSE_INTERNAL_ERROR",
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY_VIOLATION",
+    "CLOSE_TRY_AGAIN_LATER",
+    "BodySink",
+    "Link",
+    "LinkClosed",
+    "LinkConfig",
+]
+
 logger = logging.getLogger("mlxcel_plugin.link")
-
-
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_POLICY_VIOLATION = 1008
-CLOSE_INTERNAL_ERROR = 1011
-CLOSE_TRY_AGAIN_LATER = 1013
-
-# (frame type, frame header, body length) -> a writable C-contiguous byte buffer of exactly
-# that length to decrypt the body into (or a BodyParts of such buffers to scatter it over),
-# or None for a fresh one. Called on the event loop when the body is announced, before it
-# is read; must not raise.
-BodySink = Callable[[FrameType, dict, int], memoryview | BodyParts | None]
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    """Tunables of a link; defaults suit a LAN cluster."""
-
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-    max_frame_bytes: int = 1024 * 1024 * 1024  # one frame, reassembled; the KV layer splits above
-    handshake_timeout_s: float = 5.0
-    send_queue_bytes: int = 32 * 1024 * 1024
-    recv_queue_frames: int = 16
-    ws_max_queue: int = 4  # WebSocket messages buffered before TCP pushes back
-    ping_interval_s: float | None = 20.0
-    ping_timeout_s: float | None = 20.0
-    close_timeout_s: float = 5.0
-    bulk: bool = True
-    bulk_threshold_bytes: int = 256 * 1024  # bodies at least this big use the bulk channel
-    bulk_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    bulk_io_timeout_s: float = 60.0
-    # Linux: niceness of the thread that receives and decrypts bulk bodies. A decode
-    # node raises it so KV ingestion yields the core to the running decode batch.
-    bulk_reader_nice: int = 0
-
-    @property
-    def ws_max_size(self) -> int:
-        return self.max_record_bytes + TAG_BYTES
 
 
 class LinkClosed(NodeLostError):
@@ -214,7 +185,7 @@ class Link:
         return self._writer.idle
 
     def _checked(self, frame: Frame) -> tuple[Frame, int]:
-        frame = _flat_body(frame)
+        frame = flat_body(frame)
         size = frame_size(frame)
         if size > self._config.max_frame_bytes:
             raise FrameTooLarge(f"frame of {size} bytes exceeds {self._config.max_frame_bytes}")
@@ -393,21 +364,7 @@ class Link:
         return frame
 
     def _sink_buffer(self, bulk: BulkBody) -> memoryview | BodyParts | None:
-        if self._body_sink is None:
-            return None
-        try:
-            frame_type = FrameType(bulk.type_code)
-        except ValueError:
-            return None
-        into = self._body_sink(frame_type, bulk.header, bulk.n_bytes)
-        if into is None:
-            return None
-        views = into.views if isinstance(into, BodyParts) else (memoryview(into),)
-        if len(into) != bulk.n_bytes or not all(_writable_bytes(v) for v in views):
-            logger.warning("link %s: body sink gave an unusable buffer for %d bytes; ignored",
-                           self.local_node_id, bulk.n_bytes)
-            return None
-        return into if isinstance(into, BodyParts) else views[0].cast("B")
+        return sink_buffer(self._body_sink, bulk, self.local_node_id)
 
     def _deliver(self, frame: Frame) -> Frame | None:
         """PINGs are answered here (whether or not the app is reading); the rest go to recv."""
@@ -415,20 +372,6 @@ class Link:
             self._writer.put_control(Ping.from_frame(frame).pong())
             return None
         return frame
-
-
-def _writable_bytes(view: memoryview) -> bool:
-    return not view.readonly and view.c_contiguous
-
-
-def _flat_body(frame: Frame) -> Frame:
-    """Bodies as flat byte buffers, so len() is the byte count (numpy arrays aren't)."""
-    if isinstance(frame.body, bytes | bytearray | BodyParts):
-        return frame
-    view = memoryview(frame.body)
-    if view.format == "B" and view.ndim == 1:
-        return frame
-    return Frame(frame.type, frame.header, view.cast("B"))
 
 
 def _format_address(address: object) -> str:

@@ -1,0 +1,47 @@
+"""One chunk's body into its layer's rows: decoded by the handoff's codec, or already there.
+
+A raw (identity-codec) body that the link wrote straight into the layer buffer
+(``KVAssembler.chunk_destination``) occupies its rows already: nothing to copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.kv_codecs import CorruptChunk, KVCodec
+from mlxcel_plugin.kv_serde.header import ModelFingerprint
+from mlxcel_plugin.kv_serde.messages import ChunkHeader
+
+
+def decode_chunk_into(
+    codec: KVCodec, chunk: ChunkHeader, body: Any, tensor: np.ndarray, fp: ModelFingerprint
+) -> None:
+    """Decode ``body`` and write it over the chunk's rows of ``tensor``.
+
+    A plugin codec's own failure, or an output of the wrong shape or dtype, raises
+    ``CorruptChunk``: it fails this handoff only.
+    """
+    shape = (chunk.rows, fp.head_dim)
+    try:
+        decoded = codec.decode(body, chunk.codec_meta, shape, fp.dtype)
+    except HandoffError:
+        raise
+    except Exception as exc:  # a plugin codec's own failure fails this handoff only
+        raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
+    if not isinstance(decoded, np.ndarray) or decoded.shape != shape:
+        raise CorruptChunk(f"codec {codec.name} returned the wrong shape")
+    if decoded.dtype != tensor.dtype:
+        raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {tensor.dtype}")
+    # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
+    tensor.reshape(-1, fp.head_dim)[chunk.row : chunk.row + chunk.rows] = decoded
+
+
+def occupies(body: Any, dest: memoryview) -> bool:
+    """True when ``body`` already is ``dest``'s bytes (written in place): nothing to copy."""
+    if len(body) != len(dest) or not len(dest):
+        return False
+    body_at = np.frombuffer(body, dtype=np.uint8).ctypes.data
+    return body_at == np.frombuffer(dest, dtype=np.uint8).ctypes.data
