@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -24,15 +23,26 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
+from engines.engine_commands import (
+    Cancel,
+    Decode,
+    Generate,
+    Prefill,
+    Stop,
+    cancel_command,
+    cancel_queued,
+    deliver,
+    finish_command,
+)
 from engines.model_loader import load_mlx_model, model_info
-from engines.prefill import run_prefill
+from engines.prefill import Prefilled, prefill_request, run_prefill
+from engines.prefix_cache import PrefixCache
+from engines.request_rules import SpeedMeter, check_request, finish_reason
 from engines.sampling import TokenSampler
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
     FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
     CacheLayer,
     CacheState,
     EmitToken,
@@ -47,60 +57,13 @@ from mlxcel_plugin.engine_api import (
 )
 from mlxcel_plugin.errors import (
     AtCapacityError,
-    ContextLengthError,
     EngineError,
-    InvalidRequestError,
     MlxcelError,
 )
 
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = (0, 1, 2, 3, 4, 5, 6, 7)
-_TOKENS_PER_S_SMOOTHING = 0.2
-
-
-@dataclass
-class _Generate:
-    request: GenerationRequest
-    emit: EmitToken
-
-
-@dataclass
-class _Prefill:
-    request: GenerationRequest
-    on_done: PrefillDone
-    on_layer: LayerReady | None
-
-
-@dataclass
-class _Decode:
-    request: GenerationRequest
-    first_token: int
-    cache: CacheState
-    emit: EmitToken
-
-
-@dataclass
-class _Cancel:
-    request_id: str
-
-
-class _Stop:
-    pass
-
-
-def _deliver(callback: Any, *args: Any) -> bool:
-    """Call a user callback; a failing consumer must not take the engine thread down."""
-    try:
-        callback(*args)
-    except Exception:
-        log.exception("engine callback failed; dropping its request")
-        return False
-    return True
-
-
-def _cancelled_error(request_id: str) -> EngineError:
-    return EngineError(f"request {request_id} was cancelled", code="cancelled")
 
 
 class MlxEngine:
@@ -110,19 +73,19 @@ class MlxEngine:
         self.model = model
         self.info = info
         self.config = config
-        self._eos = frozenset(info.eos_token_ids)
         self._commands: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._closed = False
         # Engine-thread state.
-        self._prefills: deque[_Generate | _Prefill] = deque()
+        self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
         self._batch = DecodeBatch(model)
-        self._tokens_per_s = 0.0
+        self._speed = SpeedMeter()
         self._stats = EngineStats(free_kv_fraction=1.0)
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
+        self._prefix = PrefixCache.for_model(model, config)
 
     @classmethod
     def from_path(cls, model_path: str, config: EngineConfig) -> MlxEngine:
@@ -147,23 +110,23 @@ class MlxEngine:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self._commands.put(_Stop())
+        self._commands.put(Stop())
         if self._thread is not None:
             self._thread.join()
-        self._cancel_queued_commands()
+        cancel_queued(self._commands)
 
     def generate(self, request: GenerationRequest, emit: EmitToken) -> None:
-        self._submit(_Generate(request, emit))
+        self._submit(Generate(request, emit))
 
     def prefill(
         self, request: GenerationRequest, on_done: PrefillDone, on_layer: LayerReady | None = None
     ) -> None:
-        self._submit(_Prefill(request, on_done, on_layer))
+        self._submit(Prefill(request, on_done, on_layer))
 
     def decode(
         self, request: GenerationRequest, first_token: int, cache: CacheState, emit: EmitToken
     ) -> None:
-        self._submit(_Decode(request, first_token, cache, emit))
+        self._submit(Decode(request, first_token, cache, emit))
 
     def adopt_layer(self, layer: CacheLayer) -> CacheLayer:
         """A received layer as MLX arrays, on the caller's thread (engine_api.Engine)."""
@@ -176,7 +139,7 @@ class MlxEngine:
         return kv_convert.kv_buffers(shape, dtype, count, self._carver)
 
     def cancel(self, request_id: str) -> None:
-        self._commands.put(_Cancel(request_id))
+        self._commands.put(Cancel(request_id))
 
     def stats(self) -> EngineStats:
         snapshot = self._stats
@@ -186,11 +149,12 @@ class MlxEngine:
             kv_bytes=snapshot.kv_bytes,
             free_kv_fraction=snapshot.free_kv_fraction,
             tokens_per_s=snapshot.tokens_per_s,
+            prefix_cache=snapshot.prefix_cache,
         )
 
     def _submit(self, command: Any) -> None:
         if self._closed:
-            self._cancel_command(command)
+            cancel_command(command)
             return
         self._commands.put(command)
 
@@ -230,72 +194,64 @@ class MlxEngine:
             except queue.Empty:
                 return True
             block = False
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return False
             self._apply(command)
 
     def _apply(self, command: Any) -> None:
-        if isinstance(command, _Cancel):
+        if isinstance(command, Cancel):
             self._cancel(command.request_id)
             return
         try:
-            self._check_request(command.request)
+            check_request(command.request, self.info)
             self._check_capacity()
-            if isinstance(command, _Decode):
+            if isinstance(command, Decode):
                 self._accept_handoff(command)
             else:
                 self._prefills.append(command)
         except MlxcelError as exc:
-            self._finish_command(command, FINISH_ERROR, exc)
+            finish_command(command, FINISH_ERROR, exc)
         except Exception as exc:  # a malformed request must not stop the engine thread
             log.exception("request %s refused", command.request.request_id)
-            self._finish_command(command, FINISH_ERROR, EngineError(str(exc)))
+            finish_command(command, FINISH_ERROR, EngineError(str(exc)))
 
     # -- admission -----------------------------------------------------------------------
 
-    def _check_request(self, request: GenerationRequest) -> None:
-        n = len(request.prompt_tokens)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if request.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        if n >= self.info.context_length:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens; this model's context is "
-                f"{self.info.context_length} tokens",
-                param="messages",
-            )
-        ids = np.asarray(request.prompt_tokens)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise InvalidRequestError("prompt tokens must be integer ids", param="prompt")
-        if self.info.vocab_size and (ids.min() < 0 or ids.max() >= self.info.vocab_size):
-            raise InvalidRequestError("prompt token id out of range", param="prompt")
-
     def _held_sequences(self) -> int:
-        generating = sum(isinstance(job, _Generate) for job in self._prefills)
+        generating = sum(isinstance(job, Generate) for job in self._prefills)
         return len(self._batch) + len(self._waiting) + generating
 
     def _kv_bytes(self) -> int:
         waiting = sum(c.nbytes for _, caches in self._waiting for c in caches)
-        return self._batch.nbytes + int(waiting)
+        return self._batch.nbytes + int(waiting) + self._prefix.nbytes
+
+    def _kv_limit_bytes(self) -> float:
+        return self.config.memory_threshold * self.config.kv_memory_bytes
+
+    def _fit_prefix_cache(self) -> None:
+        """Evict cached prefixes so that all KV held stays under the budget's threshold."""
+        others = self._kv_bytes() - self._prefix.nbytes
+        self._prefix.evict_to(int(self._kv_limit_bytes()) - others)
 
     def _check_capacity(self) -> None:
         if self._held_sequences() >= self.config.max_sequences:
             raise AtCapacityError(f"engine holds max_sequences={self.config.max_sequences}")
-        limit = self.config.memory_threshold * self.config.kv_memory_bytes
+        limit = self._kv_limit_bytes()
+        if self._kv_bytes() >= limit:
+            self._fit_prefix_cache()  # cached prefixes go before any request is refused
         if self._kv_bytes() >= limit:
             raise AtCapacityError(f"KV memory above {self.config.memory_threshold:.0%} of budget")
 
-    def _accept_handoff(self, command: _Decode) -> None:
+    def _accept_handoff(self, command: Decode) -> None:
         request, first = command.request, command.first_token
         prompt = request.prompt_tokens
         kv_convert.check_cache_state(command.cache, self.info.fingerprint, len(prompt))
-        sampler = TokenSampler(request.sampling, (*prompt, first), self._vocab_size())
+        sampler = TokenSampler(request.sampling, (*prompt, first), self.info.vocab_size)
         sequence = Sequence(request, command.emit, sampler, last_token=first, num_generated=1)
         # The first token was emitted by the prefill node; it may already end the request.
-        reason = self._finish_reason(request, first, 1)
+        reason = finish_reason(request, self.info, first, 1)
         if reason is not None:
-            _deliver(command.emit, TokenEvent(request.request_id, 1, None, reason))
+            deliver(command.emit, TokenEvent(request.request_id, 1, None, reason))
             return
         self._waiting.append((sequence, kv_convert.from_cache_state(command.cache)))
 
@@ -307,49 +263,41 @@ class MlxEngine:
 
     # -- prefill -------------------------------------------------------------------------
 
-    def _vocab_size(self) -> int:
-        return self.info.vocab_size
-
     def _prefill_next(self) -> None:
         if not self._prefills:
             return
         job = self._prefills.popleft()
-        if isinstance(job, _Generate):
+        if isinstance(job, Generate):
             self._run_generate(job)
         else:
             self._run_prefill_only(job)
 
-    def _prefill_request(
-        self, request: GenerationRequest, on_layer: Any = None
-    ) -> tuple[TokenSampler, int, list[Any]]:
-        """Shared by both roles: forward the prompt, sample the first token at its position."""
-        caches = make_prompt_cache(self.model)
+    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
         if on_layer is not None:
             # Refuse before computing anything a decode node could not take.
-            kv_convert.check_cache_kinds(caches)
-        logits = run_prefill(
-            self.model, request.prompt_tokens, caches, self.config.chunk_size_tokens, on_layer
+            kv_convert.check_cache_kinds(make_prompt_cache(self.model))
+        done = prefill_request(
+            self.model, request, self._prefix, self.config, self.info.vocab_size, on_layer
         )
-        sampler = TokenSampler(request.sampling, request.prompt_tokens, self._vocab_size())
-        token = sampler.sample(np.array(logits.astype(mx.float32)), len(request.prompt_tokens))
-        sampler.observe(token)
-        return sampler, token, caches
+        self._fit_prefix_cache()
+        return done
 
-    def _run_generate(self, job: _Generate) -> None:
+    def _run_generate(self, job: Generate) -> None:
         request = job.request
         try:
-            sampler, token, caches = self._prefill_request(request)
+            done = self._prefill_request(request)
         except Exception as exc:  # one request's failure must not stop the engine
             log.exception("prefill of %s failed", request.request_id)
-            self._finish_command(job, FINISH_ERROR, exc)
+            finish_command(job, FINISH_ERROR, exc)
             return
-        sequence = Sequence(request, job.emit, sampler, last_token=token, num_generated=1)
-        reason = self._finish_reason(request, token, 1)
-        delivered = _deliver(job.emit, TokenEvent(request.request_id, 0, token, reason))
-        if delivered and reason is None:
-            self._waiting.append((sequence, caches))
+        token = done.token
+        sequence = Sequence(request, job.emit, done.sampler, last_token=token, num_generated=1)
+        reason = finish_reason(request, self.info, token, 1)
+        first = TokenEvent(request.request_id, 0, token, reason, cached_tokens=done.cached_tokens)
+        if deliver(job.emit, first) and reason is None:
+            self._waiting.append((sequence, done.caches))
 
-    def _run_prefill_only(self, job: _Prefill) -> None:
+    def _run_prefill_only(self, job: Prefill) -> None:
         request = job.request
         layers: list[CacheLayer] = []
 
@@ -359,29 +307,16 @@ class MlxEngine:
                 job.on_layer(i, layers[-1])
 
         try:
-            sampler, token, _ = self._prefill_request(request, layer_ready)
+            done = self._prefill_request(request, layer_ready)
         except Exception as exc:  # one request's failure must not stop the engine
             log.warning("prefill of %s failed: %s", request.request_id, exc)
-            _deliver(job.on_done, exc)
+            deliver(job.on_done, exc)
             return
-        reason = self._finish_reason(request, token, 1)
-        result = PrefillResult(request, token, CacheState(layers), reason)
-        _deliver(job.on_done, result)
+        reason = finish_reason(request, self.info, done.token, 1)
+        result = PrefillResult(request, done.token, CacheState(layers), reason, done.cached_tokens)
+        deliver(job.on_done, result)
 
     # -- decode --------------------------------------------------------------------------
-
-    def _finish_reason(
-        self, request: GenerationRequest, token: int, num_generated: int
-    ) -> str | None:
-        """Why the request ends with ``token`` (its ``num_generated``-th), or None."""
-        if token in self._eos or token in request.stop_token_ids:
-            return FINISH_STOP
-        if num_generated >= request.max_tokens:
-            return FINISH_LENGTH
-        # The next step would need a position past the model's context.
-        if len(request.prompt_tokens) + num_generated >= self.info.context_length:
-            return FINISH_LENGTH
-        return None
 
     def _decode_step(self) -> None:
         if not len(self._batch):
@@ -395,7 +330,7 @@ class MlxEngine:
             return
         keep = [i for i, seq in enumerate(self._batch.sequences) if self._advance(seq, logits[i])]
         self._batch.keep(keep)
-        self._record_speed(len(logits), time.perf_counter() - started)
+        self._speed.record(len(logits), time.perf_counter() - started)
 
     def _advance(self, sequence: Sequence, logits: np.ndarray) -> bool:
         """Sample, emit; True while the sequence goes on."""
@@ -403,30 +338,22 @@ class MlxEngine:
         sequence.sampler.observe(token)
         sequence.num_generated += 1
         sequence.last_token = token
-        reason = self._finish_reason(sequence.request, token, sequence.num_generated)
+        reason = finish_reason(sequence.request, self.info, token, sequence.num_generated)
         event = TokenEvent(sequence.request_id, sequence.num_generated - 1, token, reason)
-        return _deliver(sequence.emit, event) and reason is None
+        return deliver(sequence.emit, event) and reason is None
 
     def _fail_batch(self, exc: Exception) -> None:
         for seq in self._batch.sequences:
             event = TokenEvent(seq.request_id, seq.num_generated, None, FINISH_ERROR, str(exc))
-            _deliver(seq.emit, event)
+            deliver(seq.emit, event)
         self._batch.keep([])
-
-    def _record_speed(self, tokens: int, elapsed_s: float) -> None:
-        rate = tokens / max(elapsed_s, 1e-9)
-        if self._tokens_per_s == 0:
-            self._tokens_per_s = rate
-            return
-        a = _TOKENS_PER_S_SMOOTHING
-        self._tokens_per_s = (1 - a) * self._tokens_per_s + a * rate
 
     # -- cancel / close ------------------------------------------------------------------
 
     def _cancel(self, request_id: str) -> None:
         for job in [j for j in self._prefills if j.request.request_id == request_id]:
             self._prefills.remove(job)
-            self._cancel_command(job)
+            cancel_command(job)
         for item in [w for w in self._waiting if w[0].request_id == request_id]:
             self._waiting.remove(item)
             self._emit_cancelled(item[0])
@@ -435,41 +362,17 @@ class MlxEngine:
         self._update_stats()
 
     def _emit_cancelled(self, seq: Sequence) -> None:
-        _deliver(seq.emit, TokenEvent(seq.request_id, seq.num_generated, None, FINISH_CANCELLED))
-
-    def _finish_command(self, command: Any, reason: str, exc: Exception) -> None:
-        """End a request that never reached the batch: one terminal event (or on_done)."""
-        request_id = command.request.request_id
-        if isinstance(command, _Prefill):
-            _deliver(command.on_done, exc)
-            return
-        index = 1 if isinstance(command, _Decode) else 0
-        error = None if reason == FINISH_CANCELLED else str(exc)
-        _deliver(command.emit, TokenEvent(request_id, index, None, reason, error))
-
-    def _cancel_command(self, command: Any) -> None:
-        self._finish_command(
-            command, FINISH_CANCELLED, _cancelled_error(command.request.request_id)
-        )
+        deliver(seq.emit, TokenEvent(seq.request_id, seq.num_generated, None, FINISH_CANCELLED))
 
     def _cancel_everything(self) -> None:
         while self._prefills:
             job = self._prefills.popleft()
-            self._cancel_command(job)
+            cancel_command(job)
         while self._waiting:
             self._emit_cancelled(self._waiting.popleft()[0])
         for seq in self._batch.remove({s.request_id for s in self._batch.sequences}):
             self._emit_cancelled(seq)
         self._update_stats()
-
-    def _cancel_queued_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if hasattr(command, "request"):
-                self._cancel_command(command)
 
     # -- stats and warmup ----------------------------------------------------------------
 
@@ -481,7 +384,8 @@ class MlxEngine:
             active_sequences=len(self._batch),
             kv_bytes=kv_bytes,
             free_kv_fraction=max(0.0, free),
-            tokens_per_s=self._tokens_per_s,
+            tokens_per_s=self._speed.tokens_per_s,
+            prefix_cache=self._prefix.stats(),
         )
 
     def _warmup(self) -> None:

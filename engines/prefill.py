@@ -8,10 +8,17 @@ roles call :func:`run_prefill` with the same ``chunk_size_tokens``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from engines.prefix_cache import PrefixCache
+from engines.sampling import TokenSampler
+from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest
 
 LayerEvaluated = Callable[[int, Any], None]
 
@@ -25,6 +32,10 @@ def run_prefill(
 ) -> mx.array:
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
+    ``caches`` may already hold a prefix of ``tokens`` (from the prefix cache);
+    the prefill resumes after it. Ending on a chunk boundary, it computes the
+    same chunks an uncached run computes from there (engines/prefix_cache.py).
+
     Full chunks are evaluated as they go (bounded memory). The last token goes
     through on its own, so the vocabulary projection (which MLX computes only
     for outputs someone evaluates) runs for one position instead of a chunk.
@@ -36,7 +47,9 @@ def run_prefill(
     if chunk_size_tokens < 1:
         raise ValueError(f"chunk_size_tokens must be >= 1, got {chunk_size_tokens}")
     prompt = mx.array(tokens, dtype=mx.uint32)[None]
-    start, total = 0, prompt.shape[1]
+    start, total = _held_tokens(caches), prompt.shape[1]
+    if start >= total:
+        raise ValueError(f"the caches hold {start} tokens; the prompt has only {total}")
     while total - start > chunk_size_tokens:
         model(prompt[:, start : start + chunk_size_tokens], cache=caches)
         mx.eval([c.state for c in caches])
@@ -50,3 +63,36 @@ def run_prefill(
             on_layer(i, cache)
     mx.eval(logits)
     return logits
+
+
+def _held_tokens(caches: list[Any]) -> int:
+    offset = getattr(caches[0], "offset", 0) if caches else 0
+    return offset if isinstance(offset, int) else 0
+
+
+@dataclass
+class Prefilled:
+    sampler: TokenSampler
+    token: int  # the first token, sampled at the prompt's end
+    caches: list[Any]
+    cached_tokens: int  # prompt tokens reused from the prefix cache
+
+
+def prefill_request(
+    model: nn.Module,
+    request: GenerationRequest,
+    prefix: PrefixCache,
+    config: EngineConfig,
+    vocab_size: int,
+    on_layer: LayerEvaluated | None = None,
+) -> Prefilled:
+    """Both roles' prefill: reuse a cached prefix, forward the rest, sample the first token."""
+    prompt = request.prompt_tokens
+    reused = prefix.lookup(prompt) if prefix.enabled else None
+    caches = reused.caches if reused and reused.caches else make_prompt_cache(model)
+    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer)
+    prefix.store_prompt(prompt, caches)
+    sampler = TokenSampler(request.sampling, prompt, vocab_size)
+    token = sampler.sample(np.array(logits.astype(mx.float32)), len(prompt))
+    sampler.observe(token)
+    return Prefilled(sampler, token, caches, reused.reused_tokens if reused else 0)

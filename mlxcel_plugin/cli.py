@@ -48,6 +48,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--distributed-config", help="TOML cluster configuration file")
     add("--prefill-balancer", help="prefill pool balancer (default round-robin)")
     add("--decode-balancer", help="decode pool balancer (default round-robin)")
+    add("--prefix-cache-bytes", type=int,
+        help="prompt KV kept across requests, in bytes (default 1 GiB; 0 disables)")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="log level")
     return parser

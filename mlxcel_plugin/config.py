@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from mlxcel_plugin.engine_api import EngineConfig
+from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheConfig
 from mlxcel_plugin.errors import ConfigError
 
 ROLES = ("hybrid", "prefill", "decode", "router")
@@ -71,6 +71,9 @@ ENV_VARS = {
 # TOML sections handled here; other sections are kept raw in ``sections``.
 SERVER_SECTION = "server"
 ENGINE_SECTION = "engine"
+PREFIX_CACHE_SECTION = "prefix_cache"
+PREFIX_CACHE_BYTES_ENV = "MLXCEL_PREFIX_CACHE_BYTES"
+PREFIX_CACHE_BYTES_FLAG = "prefix_cache_bytes"  # --prefix-cache-bytes
 
 
 def split_addresses(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -164,12 +167,16 @@ def build_config(
 ) -> ServerConfig:
     """Merge defaults < env < TOML < CLI (``cli_values`` holds only flags actually given)."""
     env = os.environ if env is None else env
+    cli_values = dict(cli_values)
+    prefix_cache_bytes = cli_values.pop(PREFIX_CACHE_BYTES_FLAG, None)
     config = _apply(ServerConfig(), _env_values(env), "env")
     toml_path = cli_values.get("distributed_config") or config.distributed_config
     engine_values: dict[str, Any] = {}
+    prefix_toml: Mapping[str, Any] = {}
     if toml_path:
         server, engine_values, other = _toml_values(read_toml(toml_path))
         config = _apply(config, server, "[server]")
+        prefix_toml = other.pop(PREFIX_CACHE_SECTION, {})
         config = replace(config, sections=other)
     config = _apply(config, cli_values, "flag")
     # --no-warmup beats [engine] warmup; otherwise [engine] beats [server]/env.
@@ -177,8 +184,26 @@ def build_config(
         engine_values["warmup"] = config.warmup
     engine_values.setdefault("warmup", config.warmup)
     engine_config = dataclass_from_mapping(EngineConfig, engine_values, "[engine]")
+    prefix_cache = prefix_cache_config(env, prefix_toml, prefix_cache_bytes)
+    engine_config = replace(engine_config, prefix_cache=prefix_cache)
     config = replace(config, engine_config=engine_config, warmup=engine_config.warmup)
     return validate(config)
+
+
+def prefix_cache_config(
+    env: Mapping[str, str], section: Mapping[str, Any], flag_bytes: int | None
+) -> PrefixCacheConfig:
+    """``--prefix-cache-bytes`` > ``[prefix_cache]`` > ``MLXCEL_PREFIX_CACHE_BYTES`` > default."""
+    values: dict[str, Any] = {}
+    if env.get(PREFIX_CACHE_BYTES_ENV):
+        values["max_bytes"] = env[PREFIX_CACHE_BYTES_ENV]
+    values.update(section)
+    if flag_bytes is not None:
+        values["max_bytes"] = flag_bytes
+    config = dataclass_from_mapping(PrefixCacheConfig, values, "[prefix_cache]")
+    if config.max_bytes < 0:
+        raise ConfigError(f"prefix cache max_bytes must be >= 0 (0: off), got {config.max_bytes}")
+    return config
 
 
 def validate(config: ServerConfig) -> ServerConfig:

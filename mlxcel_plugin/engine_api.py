@@ -76,6 +76,8 @@ class TokenEvent:
     token_id: int | None
     finish_reason: str | None = None
     error: str | None = None
+    # On the first event (index 0): prompt tokens whose K/V came from a prefix cache.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,15 +128,36 @@ class PrefillResult:
     cache: CacheState
     # Set when the first token already ends the request (EOS, or max_tokens == 1).
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    hit_tokens: int = 0  # prompt tokens served from the cache (counter)
+    lookup_tokens: int = 0  # prompt tokens looked up (counter)
+    cached_bytes: int = 0  # bytes held now (gauge)
+    entries: int = 0
+    evictions: int = 0  # entries dropped to stay in budget (counter)
 
 
 @dataclass(frozen=True)
 class EngineStats:
     queued: int = 0
     active_sequences: int = 0
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # everything held, the prefix cache included
     free_kv_fraction: float = 1.0
     tokens_per_s: float = 0.0
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """``[prefix_cache]``: prompt KV kept across requests (docs/prefix-cache.md)."""
+
+    # Inside ``kv_memory_bytes``; entries are evicted before a request is refused. 0: off.
+    max_bytes: int = 1024**3
+    # Also reuse what decode computed (the reply): faster turns, not byte-identical.
+    reuse_generated: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +169,7 @@ class EngineConfig:
     memory_threshold: float = 0.85
     kv_memory_bytes: int = 4 * 1024**3
     warmup: bool = True
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
 
 EmitToken = Callable[[TokenEvent], None]

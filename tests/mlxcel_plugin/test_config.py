@@ -97,3 +97,28 @@ def test_address_parsing():
 def test_node_id_defaults_from_role_and_bind():
     config = build_config({"role": "decode", "serving_bind": "127.0.0.1:7000"}, env={})
     assert config.effective_node_id == "decode@127.0.0.1:7000"
+
+
+def test_prefix_cache_default_is_on_and_bounded():
+    prefix = build_config({}, env={}).engine_config.prefix_cache
+    assert prefix.max_bytes == 1024**3 and prefix.reuse_generated is False
+
+
+def test_prefix_cache_flag_beats_toml_beats_env(tmp_path):
+    toml = write_toml(tmp_path, "[prefix_cache]\nmax_bytes = 2000\nreuse_generated = true\n")
+    env = {"MLXCEL_PREFIX_CACHE_BYTES": "1000"}
+    assert build_config({}, env=env).engine_config.prefix_cache.max_bytes == 1000
+    from_toml = build_config({"distributed_config": toml}, env=env).engine_config.prefix_cache
+    assert (from_toml.max_bytes, from_toml.reuse_generated) == (2000, True)
+    flagged = build_config({"distributed_config": toml, "prefix_cache_bytes": 0}, env=env)
+    assert flagged.engine_config.prefix_cache.max_bytes == 0
+    assert "prefix_cache" not in flagged.sections
+
+
+def test_prefix_cache_rejects_bad_values(tmp_path):
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        build_config({"prefix_cache_bytes": -1}, env={})
+    with pytest.raises(ConfigError, match=r"\[prefix_cache\]: unknown key"):
+        build_config({"distributed_config": write_toml(tmp_path, "[prefix_cache]\nsize = 1\n")})
+    with pytest.raises(ConfigError, match="max_bytes"):
+        build_config({}, env={"MLXCEL_PREFIX_CACHE_BYTES": "lots"})

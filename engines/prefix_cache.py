@@ -1,0 +1,155 @@
+"""Prompt KV kept across requests, reused only where it is bit-exact.
+
+``run_prefill`` computes a prompt in chunks of ``chunk_size_tokens`` aligned
+to absolute position 0, and a chunk's K/V depend only on the tokens up to its
+end. So the K/V of every *full* chunk a request computed are exactly what any
+later request with the same tokens up to that chunk's end would compute; the
+trailing partial chunk and the last token (computed with other shapes, which
+change float rounding) are not. The cache stores a request's full chunks and
+a hit resumes the prefill at a chunk boundary: output is byte-identical to a
+cache-off run (docs/prefix-cache.md).
+
+``reuse_generated`` also keeps what a sequence held when it finished (its
+reply, computed by decode steps) and reuses any prefix of it, like
+``mlx_lm.server``: far fewer tokens to prefill on the next chat turn, but not
+byte-identical to a cache-off run.
+
+Storage, lookup and LRU eviction are mlx-lm's ``LRUPromptCache`` (a token trie).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
+
+from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheStats
+
+log = logging.getLogger(__name__)
+
+# LRUPromptCache keys entries by a model object; one engine holds one model.
+_MODEL_KEY = "model"
+
+
+def full_chunk_tokens(prompt_len: int, chunk_size_tokens: int) -> int:
+    """Tokens of ``prompt_len`` that ``run_prefill`` computes in full chunks."""
+    if prompt_len <= chunk_size_tokens:
+        return 0
+    return (prompt_len - 1) // chunk_size_tokens * chunk_size_tokens
+
+
+def cacheable(caches: list[Any]) -> bool:
+    """Only plain ``KVCache`` layers: rotating and recurrent state cannot be cut back exactly."""
+    return all(type(c) is KVCache for c in caches)
+
+
+def compact_copy(caches: list[Any], n_tokens: int) -> list[KVCache]:
+    """New caches holding exactly the first ``n_tokens`` (own, contiguous memory)."""
+    copies = []
+    for cache in caches:
+        keys = mx.contiguous(cache.keys[..., :n_tokens, :])
+        values = mx.contiguous(cache.values[..., :n_tokens, :])
+        copy = KVCache()
+        copy.state = (keys, values, n_tokens)
+        copies.append(copy)
+    mx.eval([(c.keys, c.values) for c in copies])
+    return copies
+
+
+@dataclass
+class Lookup:
+    caches: list[Any] | None  # fresh caches holding ``reused_tokens``, or None on a miss
+    reused_tokens: int
+
+
+class PrefixCache:
+    """A byte-bounded LRU of prompt KV for one model, on the engine thread."""
+
+    def __init__(self, max_bytes: int, chunk_size_tokens: int, reuse_generated: bool = False):
+        self.max_bytes = max_bytes
+        self.chunk_size_tokens = chunk_size_tokens
+        self.reuse_generated = reuse_generated
+        self._lru = LRUPromptCache(max_size=1 << 30)
+        self._hit_tokens = 0
+        self._lookup_tokens = 0
+        self._evictions = 0
+
+    @classmethod
+    def for_model(cls, model: Any, config: EngineConfig) -> PrefixCache:
+        """The engine's cache: inside its KV budget, off for models it cannot cut exactly."""
+        settings = config.prefix_cache
+        max_bytes = min(settings.max_bytes, config.kv_memory_bytes)
+        if max_bytes > 0 and not cacheable(make_prompt_cache(model)):
+            log.info("prefix cache off: this model's caches are not all plain KVCache")
+            max_bytes = 0
+        return cls(max_bytes, config.chunk_size_tokens, settings.reuse_generated)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    def lookup(self, tokens: tuple[int, ...]) -> Lookup:
+        """Caches holding the longest reusable prefix of ``tokens`` (at least one token is left)."""
+        self._lookup_tokens += len(tokens)
+        caches, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, list(tokens))
+        if caches is None:
+            return Lookup(None, 0)
+        held = len(tokens) - len(rest)
+        usable = self._usable(len(tokens), held)
+        if usable <= 0:
+            return Lookup(None, 0)
+        trim_prompt_cache(caches, caches[0].offset - usable)
+        self._hit_tokens += usable
+        return Lookup(caches, usable)
+
+    def _usable(self, prompt_len: int, held: int) -> int:
+        if self.reuse_generated:
+            return min(held, prompt_len - 1)
+        aligned = held // self.chunk_size_tokens * self.chunk_size_tokens
+        return min(aligned, full_chunk_tokens(prompt_len, self.chunk_size_tokens))
+
+    def store_prompt(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+        """Keep the full chunks a prefill just computed (call before decoding extends them)."""
+        n = full_chunk_tokens(len(tokens), self.chunk_size_tokens)
+        if self.reuse_generated:
+            n = len(tokens)  # any prefix is reusable in this mode
+        self._store(tokens[:n], caches)
+
+    def store_finished(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+        """``reuse_generated``: keep a finished sequence's prompt and reply."""
+        if self.reuse_generated:
+            self._store(tokens, caches)
+
+    def _store(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+        if not self.enabled or not tokens or not cacheable(caches):
+            return
+        if caches[0].offset < len(tokens):
+            return  # the caches do not hold these tokens (nothing to key them by)
+        self._lru.insert_cache(_MODEL_KEY, list(tokens), compact_copy(caches, len(tokens)))
+        self.evict_to(self.max_bytes)
+
+    def evict_to(self, max_bytes: int) -> int:
+        """Drop least-recently-stored entries until at most ``max_bytes`` remain; bytes freed."""
+        before, entries = self._lru.nbytes, len(self._lru)
+        self._lru.trim_to(n_bytes=max(0, max_bytes))
+        self._evictions += entries - len(self._lru)
+        return before - self._lru.nbytes
+
+    def clear(self) -> None:
+        self.evict_to(0)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            hit_tokens=self._hit_tokens,
+            lookup_tokens=self._lookup_tokens,
+            cached_bytes=self._lru.nbytes,
+            entries=len(self._lru),
+            evictions=self._evictions,
+        )
