@@ -116,7 +116,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def _openblas() -> str:
-    """The BLAS our engine nodes preload (DESIGN.md §8: ~25x faster CPU matmuls)."""
+    """The BLAS our engine nodes preload (docs/design.md: ~25x faster CPU matmuls)."""
     from mlxcel_plugin import openblas
 
     if not sys.platform.startswith("linux"):

@@ -1,4 +1,4 @@
-"""Use Debian's OpenBLAS under MLX on Linux: ~25x faster CPU matmuls (DESIGN.md §8).
+"""Use Debian's OpenBLAS under MLX on Linux: ~25x faster CPU matmuls (docs/design.md).
 
 MLX's CPU wheel links a slow reference BLAS; the only way to swap it is to
 preload OpenBLAS before the process starts, so the CLI re-executes itself.

@@ -48,7 +48,7 @@ class Lz4Codec:
 
     name = "lz4"
     lossless = True
-    # Ratio from DESIGN §8 (real fp16 KV: 1.04-1.12; synthetic noise: 1.0). LZ4 bails out
+    # Ratio from docs/design.md (real fp16 KV: 1.04-1.12; noise: 1.0). LZ4 bails out
     # fast on incompressible input, so 600 MB/s is the compressible-data figure.
     profile = CodecProfile(ratio=1.05, encode_bytes_per_s=600e6, decode_bytes_per_s=2.5e9)
 

@@ -1,7 +1,7 @@
 """The bulk channel: a raw TCP stream beside a link's WebSocket, for large bodies.
 
 Why: on loopback a WebSocket message path tops out near a quarter of raw TCP
-(receive-side copying in websockets, DESIGN §8). The bulk channel carries only
+(receive-side copying in websockets, docs/design.md). The bulk channel carries only
 frame bodies, as AES-256-GCM records with their own keys and sequence numbers
 from the same handshake; the frame's header and the body length go over the
 WebSocket (authenticated), so ordering and lengths come from the control link
