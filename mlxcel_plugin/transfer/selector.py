@@ -24,7 +24,7 @@ LAYER_PARALLEL = "layer-parallel"
 
 @dataclass(frozen=True)
 class SelectorTuning:
-    # Until a peer is measured: ≈ websockets + AES-GCM on loopback (DESIGN §8).
+    # Until a peer is measured: ≈ websockets + AES-GCM on loopback (docs/design.md).
     prior_bytes_per_s: float = 400e6
     # At most this much, one message set is as good as streaming.
     small_payload_bytes: int = 4 << 20
