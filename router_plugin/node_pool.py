@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from router_plugin.balancers.base import NodeView
+from mlxcel_plugin.balancer_api import NodeView
 
 ROLES = ("prefill", "decode")
 REDACTED = "<redacted>"
@@ -34,6 +34,9 @@ class NodeTelemetry:
     active_sequences: int = 0
     free_kv_fraction: float = 1.0
     tokens_per_s: float = 0.0
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
+    prefix_cached_bytes: int = 0
 
 
 @dataclass

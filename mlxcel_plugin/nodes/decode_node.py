@@ -45,6 +45,7 @@ from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
+from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import DecodeScheduler, DecodeSchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -105,13 +106,15 @@ class DecodeNode:
         self.metrics = DecodeMetrics(lambda: stats().queue_depth, lambda: len(self.live),
                                      lambda: stats().kv_used_bytes,
                                      lambda: self.engine.stats().kv_bytes)
+        register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
 
     # -- state readers -----------------------------------------------------------------
 
     def telemetry(self) -> Telemetry:
         stats, engine = self.scheduler.stats(), self.engine.stats()
         return Telemetry(self.node_id, "decode", stats.queue_depth, len(self.live),
-                         stats.free_kv_fraction, engine.tokens_per_s)
+                         stats.free_kv_fraction, engine.tokens_per_s,
+                         *prefix_telemetry(engine.prefix_cache))
 
     def health(self) -> dict[str, Any]:
         stats = self.scheduler.stats()

@@ -113,6 +113,9 @@ def test_stats_redact_addresses_and_errors_unless_verbose():
         "active_sequences": 0,
         "free_kv_fraction": 1.0,
         "tokens_per_s": 0.0,
+        "prefix_hit_tokens": 0,
+        "prefix_lookup_tokens": 0,
+        "prefix_cached_bytes": 0,
         "age_s": 1.0,
     }
     verbose = pool.stats(now=4.0, verbose=True)

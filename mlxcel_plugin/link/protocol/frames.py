@@ -250,15 +250,20 @@ class Result:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"; None = more
     generated_tokens: int = 0
     error: str | None = None
+    # With the first token: prompt tokens served from the prefill node's prefix cache.
+    cached_tokens: int = 0
 
     TYPE: ClassVar[FrameType] = FrameType.RESULT
 
     def to_frame(self) -> Frame:
-        return Frame(self.TYPE, {
+        header = {
             "request_id": self.request_id, "seq": self.seq, "token_ids": list(self.token_ids),
             "finish_reason": self.finish_reason, "generated_tokens": self.generated_tokens,
             "error": self.error,
-        })
+        }
+        if self.cached_tokens:  # absent means 0: older peers send and read the same bytes
+            header["cached_tokens"] = self.cached_tokens
+        return Frame(self.TYPE, header)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Result:
@@ -271,6 +276,7 @@ class Result:
             finish_reason=_get(h, "finish_reason", str),
             generated_tokens=_get(h, "generated_tokens", int, 0),
             error=_get(h, "error", str),
+            cached_tokens=_get(h, "cached_tokens", int, 0),
         )
 
 
@@ -301,16 +307,26 @@ class Telemetry:
     active_sequences: int = 0
     free_kv_fraction: float = 1.0
     tokens_per_s: float = 0.0
+    # The node's prefix cache: running totals of tokens hit and looked up, bytes held now.
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
+    prefix_cached_bytes: int = 0
 
     TYPE: ClassVar[FrameType] = FrameType.TELEMETRY
+    _PREFIX_FIELDS: ClassVar[tuple[str, ...]] = (
+        "prefix_hit_tokens", "prefix_lookup_tokens", "prefix_cached_bytes",
+    )
 
     def to_frame(self) -> Frame:
-        return Frame(self.TYPE, {
+        header = {
             "node_id": self.node_id, "role": self.role, "queue_depth": self.queue_depth,
             "active_sequences": self.active_sequences,
             "free_kv_fraction": float(self.free_kv_fraction),
             "tokens_per_s": float(self.tokens_per_s),
-        })
+        }
+        # Absent means 0, so a node without a prefix cache sends the bytes it always did.
+        header.update({k: getattr(self, k) for k in self._PREFIX_FIELDS if getattr(self, k)})
+        return Frame(self.TYPE, header)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Telemetry:
@@ -323,6 +339,7 @@ class Telemetry:
             active_sequences=_get(h, "active_sequences", int, 0),
             free_kv_fraction=float(_get(h, "free_kv_fraction", (int, float), 1.0)),
             tokens_per_s=float(_get(h, "tokens_per_s", (int, float), 0.0)),
+            **{k: _get(h, k, int, 0) for k in cls._PREFIX_FIELDS},
         )
 
 

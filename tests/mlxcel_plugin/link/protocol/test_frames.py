@@ -59,8 +59,10 @@ def round_trip(obj):
     Request("r1", [1, 2, 3], {"temperature": 0.7, "seed": 5}, 16, [2], "10.0.0.2:9000", 1e9),
     Request("r1", [], {"seed": 5}, 16, [2], claim=True),
     Result("r1", 3, [7, 8], "stop", 12, None),
+    Result("r1", 0, [7], None, 1, None, cached_tokens=1024),
     Cancel("r1", "client went away"),
     Telemetry("d1", "decode", 3, 10, 0.5, 123.4),
+    Telemetry("p1", "prefill", 0, 1, 0.9, 10.0, 2048, 4096, 1 << 20),
     Ping(42, 1.5),
     ErrorFrame("at_capacity", "busy", "r1"),
 ])
@@ -73,6 +75,16 @@ def test_missing_optional_fields_take_defaults_and_unknown_are_ignored():
     assert Result.from_frame(frame) == Result("r", 0)
     req = Request.from_frame(Frame(FrameType.REQUEST, {"request_id": "r"}, pack_token_ids([5])))
     assert req.max_tokens == 256 and req.decode_target is None and req.sampling == {}
+
+
+def test_prefix_cache_fields_are_absent_when_zero():
+    # A node without a hit sends the header older peers know, byte for byte.
+    assert "cached_tokens" not in Result("r", 0, [1]).to_frame().header
+    assert not any(k.startswith("prefix_") for k in Telemetry("d", "decode").to_frame().header)
+    plain = {"request_id": "r", "seq": 0}
+    assert Result.from_frame(Frame(FrameType.RESULT, plain)).cached_tokens == 0
+    with pytest.raises(MalformedFrame):
+        Result.from_frame(Frame(FrameType.RESULT, {**plain, "cached_tokens": "x"}))
 
 
 def test_missing_required_field_is_malformed():
