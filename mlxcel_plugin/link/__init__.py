@@ -1,7 +1,8 @@
 """Links: authenticated, encrypted, bidirectional frame streams between nodes.
 
 ``protocol/`` is the sans-I/O half (handshake, records, frames). Beside it,
-the asyncio half: ``connection`` (one ``Link``), ``writer`` (its send queue),
+the asyncio half: ``connection`` (one ``Link``; its ``config`` and close codes,
+and ``bodies``, the buffers it sends from and receives into), ``writer`` (its send queue),
 ``bulk`` (the side channel for large bodies), ``delivery`` (in-order hand-off
 to a consumer), ``send_budget``, ``dial`` (client side, with backoff) and
 ``server`` (listener). Nodes and the router import what they need from here.
