@@ -2,8 +2,8 @@
 
 Each loads the cluster secret (refusing to start without one), builds the
 engine through the plugin registry, serves links on ``--serving-bind`` and
-``/health`` + ``/metrics`` on ``--host:--port``, and shuts down cleanly on
-SIGTERM/SIGINT.
+``/health`` + ``/metrics`` on ``--host:--port`` (``ops_server``), and shuts
+down cleanly on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
-from mlxcel_plugin.nodes.ops_http import OpsRoutes, serve_ops_http
+from mlxcel_plugin.nodes.ops_server import OpsRoutes, OpsServer
 from mlxcel_plugin.nodes.prefill_node import PrefillNode, PrefillNodeParts
 from mlxcel_plugin.nodes.telemetry import send_telemetry
 from mlxcel_plugin.plugins import PluginRegistry
@@ -174,8 +174,8 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
                               config=link_config(config.role))
-    ops = await serve_ops_http(config.host, config.port,
-                               OpsRoutes(node.health, node.metrics.render))
+    ops = await OpsServer.start(config.host, config.port,
+                                OpsRoutes(node.health, node.metrics.render))
     housekeeping = asyncio.create_task(node.housekeeping(), name="housekeeping")
     logger.info("%s node %s: links on %s, health/metrics on http://%s:%d", config.role,
                 node.node_id, links.address, config.host, config.port)
@@ -184,7 +184,7 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
     finally:
         logger.info("%s node %s shutting down", config.role, node.node_id)
         housekeeping.cancel()
-        ops.close()
+        await ops.close()
         await node.close()
         await links.close()
         await asyncio.to_thread(engine.close)

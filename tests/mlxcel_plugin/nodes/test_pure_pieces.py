@@ -1,8 +1,7 @@
-"""The node roles' sans-I/O pieces: frame mapping, request checks, HTTP routing, fake engine."""
+"""The node roles' sans-I/O pieces: request checks, metrics, fake engine."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -11,7 +10,6 @@ from mlxcel_plugin.engine_api import CacheState, GenerationRequest, SamplingPara
 from mlxcel_plugin.errors import EngineError, InvalidRequestError
 from mlxcel_plugin.link.protocol.frames import Request
 from mlxcel_plugin.nodes.metrics import DecodeMetrics
-from mlxcel_plugin.nodes.ops_http import OpsRoutes, parse_request_line, render, respond
 from mlxcel_plugin.nodes.requests import generation_request, sampling_params
 from mlxcel_plugin.testing.fake_engine import (
     FakeEngine,
@@ -33,19 +31,6 @@ def test_request_fields_are_checked():
     for sampling in ({"temperature": "hot"}, {"seed": 1.5}, {"top_k": True}):
         with pytest.raises(InvalidRequestError):
             sampling_params(sampling)
-
-
-def test_ops_http_routes():
-    routes = OpsRoutes(lambda: {"status": "ok"}, lambda: (b"m 1\n", "text/plain"))
-    assert parse_request_line(b"GET /health?x=1 HTTP/1.1\r\nHost: a\r\n\r\n") == ("GET", "/health")
-    assert parse_request_line(b"garbage\r\n\r\n") is None
-    status, body, _ = respond(routes, "GET", "/health")
-    assert status == 200 and json.loads(body) == {"status": "ok"}
-    assert respond(routes, "GET", "/metrics")[:2] == (200, b"m 1\n")
-    assert respond(routes, "POST", "/health")[0] == 405
-    assert respond(routes, "GET", "/nope")[0] == 404
-    assert render(200, b"abc", "text/plain").endswith(b"Content-Length: 3\r\n"
-                                                      b"Connection: close\r\n\r\nabc")
 
 
 def test_decode_metrics_use_mlxcel_names():
