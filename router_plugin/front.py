@@ -1,8 +1,19 @@
 """OpenAI-compatible HTTP front over any ``TokenBackend`` (hybrid or router).
 
 The front owns text: chat template, tokenizing, detokenizing, stop strings,
-the stream filter and usage. Handlers stay short; validation lives in
-``openai_schema``, bodies in ``responses``, the token loop in ``generation``.
+the stream filter and usage. One chat request, in the order the code runs it
+(docs/cluster-flow.md, "One request on the router"):
+
+1. ``chat_completions`` parses and validates the body (``openai_schema``);
+2. ``plan_chat`` renders the template, tokenizes, bounds ``max_tokens`` and
+   builds the request's ``Completion`` (``completion.py``), which holds its
+   state from here on: the ``GenerationRequest``, the text pipeline, the
+   backend's token stream, timing and outcome;
+3. ``_serve`` starts it: ``Completion.start`` calls ``backend.stream`` (on the
+   router ``ClusterBackend``: admission, then a ``RoutedRequest`` places it on
+   a prefill and a decode node and merges their streams);
+4. ``_complete`` / ``_sse`` turn its deltas into a body or SSE events
+   (``responses``, ``sse``), with the completion's finish reason and usage.
 """
 
 from __future__ import annotations
@@ -13,7 +24,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -42,7 +52,7 @@ from mlxcel_plugin.text import (
 )
 from router_plugin import responses, sse
 from router_plugin.backend import TokenBackend
-from router_plugin.generation import Generation
+from router_plugin.completion import Completion
 from router_plugin.metrics import CONTENT_TYPE, FrontMetrics
 from router_plugin.openai_schema import (
     ChatParams,
@@ -63,16 +73,6 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
-
-
-@dataclass(frozen=True)
-class Job:
-    meta: responses.ResponseMeta
-    request: GenerationRequest
-    pipeline: CompletionPipeline
-    stream: bool
-    include_usage: bool
-    arrival_s: float
 
 
 # -- errors -------------------------------------------------------------------
@@ -201,8 +201,8 @@ class OpenAIFront:
             prompt = self.tokenizer.encode(params.prompt)
         else:
             prompt = self._checked_token_ids(params.prompt)
-        job = self._job(responses.TEXT, prompt, params.common, arrival_s)
-        return await self._serve(request, job)
+        completion = self._completion(responses.TEXT, prompt, params.common, arrival_s)
+        return await self._serve(request, completion)
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mlxcel"}
@@ -218,7 +218,7 @@ class OpenAIFront:
 
     # request planning
 
-    def plan_chat(self, params: ChatParams, arrival_s: float) -> Job:
+    def plan_chat(self, params: ChatParams, arrival_s: float) -> Completion:
         """Chat template, tokens, stream filter and budget (shared with the LiteLLM provider)."""
         self._check_model(params.common.model)
         prompt_text = self.tokenizer.render_chat(
@@ -228,13 +228,10 @@ class OpenAIFront:
         stream_filter = StreamFilter(
             self.markers, start_in_reasoning=prompt_opens_reasoning(prompt_text, self.markers)
         )
-        return self._job(
+        return self._completion(
             responses.CHAT, prompt, params.common, arrival_s,
             stream_filter=stream_filter, parse_tools=params.tools is not None,
         )  # fmt: skip
-
-    def generation(self, job: Job) -> Generation:
-        return Generation(self.backend, job.request, job.pipeline, self.metrics, job.arrival_s)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -258,7 +255,7 @@ class OpenAIFront:
         # Clamped rather than refused: the output simply ends with "length" at the context end.
         return min(requested, room) if requested is not None else room
 
-    def _job(
+    def _completion(
         self,
         kind: str,
         prompt: list[int],
@@ -267,7 +264,7 @@ class OpenAIFront:
         *,
         stream_filter: StreamFilter | None = None,
         parse_tools: bool = False,
-    ) -> Job:
+    ) -> Completion:
         param = "messages" if kind == responses.CHAT else "prompt"
         max_tokens = self._max_tokens(len(prompt), common.max_tokens, param)
         prefix = "chatcmpl" if kind == responses.CHAT else "cmpl"
@@ -286,53 +283,55 @@ class OpenAIFront:
             self.tokenizer, max_tokens=max_tokens, stop=common.stop,
             stream_filter=stream_filter, parse_tools=parse_tools,
         )  # fmt: skip
-        return Job(meta, request, pipeline, common.stream, common.include_usage, arrival_s)
+        return Completion(
+            meta, request, pipeline, stream=common.stream, include_usage=common.include_usage,
+            arrival_s=arrival_s, backend=self.backend, metrics=self.metrics,
+        )  # fmt: skip
 
     # serving
 
-    async def _serve(self, request: Request, job: Job) -> Response:
-        generation = self.generation(job)
+    async def _serve(self, request: Request, completion: Completion) -> Response:
         try:
-            if not job.stream:
-                body = await run_until_disconnect(request, self._complete(job, generation))
+            if not completion.stream:
+                body = await run_until_disconnect(request, self._complete(completion))
                 return JSONResponse(body)
-            await run_until_disconnect(request, generation.start())
+            await run_until_disconnect(request, completion.start())
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; ends the handler cleanly
-        return SSEResponse(self._sse(job, generation), headers=sse.HEADERS)
+        return SSEResponse(self._sse(completion), headers=sse.HEADERS)
 
-    async def _complete(self, job: Job, generation: Generation) -> dict[str, Any]:
+    async def _complete(self, completion: Completion) -> dict[str, Any]:
         total = TextDelta()
-        async for delta in generation.deltas():
+        async for delta in completion.deltas():
             responses.accumulate(total, delta)
-        generation.raise_if_failed()
-        counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
-        return responses.full_body(job.meta, total, job.pipeline.finish_reason or "stop", counts)
+        completion.raise_if_failed()
+        finish_reason = completion.finish_reason or "stop"
+        return responses.full_body(completion.meta, total, finish_reason, completion.usage())
 
-    async def _sse(self, job: Job, generation: Generation) -> AsyncIterator[bytes]:
+    async def _sse(self, completion: Completion) -> AsyncIterator[bytes]:
         # One write per batch of deltas; the last batch goes with the end of the stream.
         pending = b""
-        if job.meta.kind == responses.CHAT:
-            pending = sse.event(responses.role_chunk(job.meta))
-        events = responses.DeltaEvents(job.meta)
-        async with aclosing(generation.batches()) as batches:
+        if completion.meta.kind == responses.CHAT:
+            pending = sse.event(responses.role_chunk(completion.meta))
+        events = responses.DeltaEvents(completion.meta)
+        async with aclosing(completion.batches()) as batches:
             async for deltas in batches:
                 pending += b"".join([events.render(delta) for delta in deltas])
-                if not job.pipeline.done:
+                if not completion.done:
                     yield pending
                     pending = b""
-        yield pending + self._sse_end(job, generation)
+        yield pending + self._sse_end(completion)
 
-    def _sse_end(self, job: Job, generation: Generation) -> bytes:
+    def _sse_end(self, completion: Completion) -> bytes:
         try:
-            generation.raise_if_failed()
+            completion.raise_if_failed()
         except MlxcelError as exc:
             # Headers are gone: the error travels as an event, then the stream ends.
             return sse.event(exc.to_openai()) + sse.DONE
-        end = sse.event(responses.delta_chunk(job.meta, None, job.pipeline.finish_reason))
-        if job.include_usage:
-            counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
-            end += sse.event(responses.usage_chunk(job.meta, counts))
+        meta = completion.meta
+        end = sse.event(responses.delta_chunk(meta, None, completion.finish_reason))
+        if completion.include_usage:
+            end += sse.event(responses.usage_chunk(meta, completion.usage()))
         return end + sse.DONE
 
 

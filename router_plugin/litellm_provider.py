@@ -30,7 +30,7 @@ from litellm.types.utils import GenericStreamingChunk, ModelResponse, ModelRespo
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.text import TextDelta
 from router_plugin import responses
-from router_plugin.front import Job
+from router_plugin.completion import Completion
 from router_plugin.litellm_cluster import (
     CLUSTER_PARAMS,
     PROVIDER_PARAMS,
@@ -211,20 +211,19 @@ class MlxcelProvider(CustomLLM):
             if key[0].is_closed():
                 self._clusters.pop(key, None)
 
-    async def _plan(self, call: Call, stream: bool) -> tuple[Cluster, Job]:
+    async def _plan(self, call: Call, stream: bool) -> Completion:
         cluster = await self.cluster(call.settings())
         params = parse_chat_request(call.body(stream))
-        return cluster, cluster.front.plan_chat(params, time.perf_counter())
+        return cluster.front.plan_chat(params, time.perf_counter())
 
     async def _complete(self, call: Call, model_response: ModelResponse) -> ModelResponse:
         try:
-            cluster, job = await self._plan(call, stream=False)
-            generation = cluster.front.generation(job)
+            job = await self._plan(call, stream=False)
             total = TextDelta()
-            async with aclosing(generation.deltas()) as deltas:
+            async with aclosing(job.deltas()) as deltas:
                 async for delta in deltas:
                     responses.accumulate(total, delta)
-            generation.raise_if_failed()
+            job.raise_if_failed()
         except MlxcelError as exc:
             raise call.error(exc) from exc
         return fill_model_response(model_response, job, total, call.model)
@@ -233,18 +232,17 @@ class MlxcelProvider(CustomLLM):
         self, call: Call
     ) -> AsyncIterator[ModelResponseStream | GenericStreamingChunk]:
         try:
-            cluster, job = await self._plan(call, stream=True)
-            generation = cluster.front.generation(job)
+            job = await self._plan(call, stream=True)
             try:
-                await generation.start()  # admission and engine errors before any chunk
+                await job.start()  # admission and engine errors before any chunk
                 first = True
-                async with aclosing(generation.deltas()) as deltas:
+                async with aclosing(job.deltas()) as deltas:
                     async for delta in deltas:
                         yield delta_chunk(job, delta, call.model, first=first)
                         first = False
             finally:
-                await generation.aclose()  # the consumer left early: cancel on the nodes
-            generation.raise_if_failed()
+                await job.aclose()  # the consumer left early: cancel on the nodes
+            job.raise_if_failed()
         except MlxcelError as exc:
             raise call.error(exc) from exc
         yield final_chunk(job)

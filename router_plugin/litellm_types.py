@@ -24,7 +24,7 @@ from mlxcel_plugin.errors import (
 )
 from mlxcel_plugin.text import TextDelta
 from router_plugin import responses
-from router_plugin.front import Job
+from router_plugin.completion import Completion
 from router_plugin.litellm_cluster import PROVIDER_PARAMS
 
 
@@ -39,10 +39,10 @@ def request_body(
 
 
 def fill_model_response(
-    response: ModelResponse, job: Job, total: TextDelta, model: str
+    response: ModelResponse, job: Completion, total: TextDelta, model: str
 ) -> ModelResponse:
-    counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
-    body = responses.full_body(job.meta, total, job.pipeline.finish_reason or "stop", counts)
+    counts = job.usage()
+    body = responses.full_body(job.meta, total, job.finish_reason or "stop", counts)
     choice = body["choices"][0]
     response.id, response.created, response.model = body["id"], body["created"], model
     response.choices = [Choices(index=0, finish_reason=choice["finish_reason"],
@@ -51,7 +51,9 @@ def fill_model_response(
     return response
 
 
-def delta_chunk(job: Job, delta: TextDelta, model: str, *, first: bool) -> ModelResponseStream:
+def delta_chunk(
+    job: Completion, delta: TextDelta, model: str, *, first: bool
+) -> ModelResponseStream:
     # ModelResponseStream, not GenericStreamingChunk: only it carries reasoning_content.
     body = {**responses.delta_chunk(job.meta, delta), "model": model}
     if first:  # the role comes with the first delta, as OpenAI sends it
@@ -59,16 +61,16 @@ def delta_chunk(job: Job, delta: TextDelta, model: str, *, first: bool) -> Model
     return ModelResponseStream(**body)
 
 
-def final_chunk(job: Job) -> GenericStreamingChunk:
+def final_chunk(job: Completion) -> GenericStreamingChunk:
     # A GenericStreamingChunk on purpose: LiteLLM drops a content-less ModelResponseStream
     # after the finish reason, usage included, and would count tokens itself.
-    counts = responses.usage(len(job.request.prompt_tokens), job.pipeline.completion_tokens)
+    counts = job.usage()
     return GenericStreamingChunk(
         text="",
         tool_use=None,
         is_finished=True,
         index=0,
-        finish_reason=job.pipeline.finish_reason or "stop",
+        finish_reason=job.finish_reason or "stop",
         usage=counts,
     )  # type: ignore[typeddict-item]
 

@@ -1,8 +1,10 @@
 """Token events in, client-visible text deltas out — shared by every front.
 
 Order: detokenize → stop strings (on the raw text, like vLLM) → stream filter
-(reasoning / tool calls). The pipeline also owns the ``max_tokens`` budget and
-EOS, so a front can close the token stream itself; it is synchronous and pure.
+(reasoning / tool calls). The pipeline also decides the ``max_tokens`` budget
+and EOS, so a front can close the token stream itself; it is synchronous and
+pure. One request's pipeline is held by that request's ``Completion`` on the
+front, the only thing that feeds it or reads its finish.
 """
 
 from __future__ import annotations

@@ -1,9 +1,18 @@
-"""One request's run: backend token events → text deltas, timed for metrics.
+"""One completion request on the front, from its plan to its usage.
 
-The front owns the ``max_tokens`` budget, EOS and stop strings: when the
-pipeline is done it closes the backend iterator itself, which cancels the
-request in the engine (or on the remote nodes) and frees its memory.
-Events come in batches (whatever the backend had ready); so do the deltas.
+Its place in the whole path: docs/cluster-flow.md, "One request on the router".
+
+A ``Completion`` holds everything the front keeps for one request: what the
+response is (``meta``, streamed or not, usage wanted), the ``GenerationRequest``
+it sends to the backend, the backend's token stream, the text pipeline
+(detokenizer, stop strings, stream filter, the ``max_tokens`` budget and EOS),
+the timing for metrics, and the outcome. The front asks it for deltas, the
+finish reason, the usage and whether it failed; nothing else reads the pipeline.
+
+The budget, EOS and stop strings are the front's: when the pipeline is done the
+completion closes the backend iterator itself, which cancels the request in the
+engine (or on the remote nodes) and frees its memory. Events come in batches
+(whatever the backend had ready); so do the deltas.
 """
 
 from __future__ import annotations
@@ -15,28 +24,40 @@ from contextlib import aclosing
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import EngineError, NodeLostError
 from mlxcel_plugin.text import CompletionPipeline, TextDelta
+from router_plugin import responses
 from router_plugin.backend import TokenBackend
 from router_plugin.metrics import FrontMetrics
 
 
-class Generation:
+class Completion:
+    """One request's run on the front: ``start`` (or ``batches``) → deltas → outcome."""
+
     def __init__(
         self,
-        backend: TokenBackend,
+        meta: responses.ResponseMeta,
         request: GenerationRequest,
         pipeline: CompletionPipeline,
-        metrics: FrontMetrics,
+        *,
+        stream: bool,
+        include_usage: bool,
         arrival_s: float,
+        backend: TokenBackend,
+        metrics: FrontMetrics,
     ):
+        self.meta = meta
         self.request = request
-        self.pipeline = pipeline
+        self.stream = stream
+        self.include_usage = include_usage
+        self.arrival_s = arrival_s
+        self._pipeline = pipeline
         self._backend = backend
         self._metrics = metrics
-        self._arrival_s = arrival_s
         self._last_token_s: float | None = None
         self._events: AsyncIterator[list[TokenEvent]] | None = None
         self._first: list[TokenEvent] | None = None
         self._lost = False  # the stream ended without a terminal event
+
+    # ------------------------------------------------------------ the run
 
     async def start(self) -> None:
         """Wait for the first event, so admission/engine errors become HTTP statuses."""
@@ -46,7 +67,7 @@ class Generation:
             self._first = await anext(self._events)
         except StopAsyncIteration:
             self._first, self._lost = None, True
-            self.pipeline.fail("the token stream ended before the first event")
+            self._pipeline.fail("the token stream ended before the first event")
         except BaseException:
             await self.aclose()
             raise
@@ -64,12 +85,12 @@ class Generation:
                 deltas = self._feed(batch)
                 if deltas:
                     yield deltas
-                if self._events is None or self.pipeline.done:
+                if self._events is None or self._pipeline.done:
                     break
                 batch = await anext(self._events, None)
                 if batch is None:
                     self._lost = True
-                    self.pipeline.fail("the token stream ended without a finish event")
+                    self._pipeline.fail("the token stream ended without a finish event")
         finally:
             await self.aclose()
 
@@ -79,13 +100,6 @@ class Generation:
             async for deltas in batches:
                 for delta in deltas:
                     yield delta
-
-    def raise_if_failed(self) -> None:
-        if self.pipeline.finish_reason != FINISH_ERROR:
-            return
-        if self._lost:
-            raise NodeLostError(self.pipeline.error)
-        raise EngineError(self.pipeline.error or "generation failed")
 
     async def aclose(self) -> None:
         events, self._events = self._events, None
@@ -97,14 +111,37 @@ class Generation:
             await aclose()
         self._record_finish()
 
+    # ------------------------------------------------------------ the outcome
+
+    @property
+    def done(self) -> bool:
+        return self._pipeline.done
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._pipeline.finish_reason
+
+    def usage(self) -> dict[str, int]:
+        """The response's ``usage``: the one place it is assembled (bodies, SSE, LiteLLM)."""
+        return responses.usage(len(self.request.prompt_tokens), self._pipeline.completion_tokens)
+
+    def raise_if_failed(self) -> None:
+        if self._pipeline.finish_reason != FINISH_ERROR:
+            return
+        if self._lost:
+            raise NodeLostError(self._pipeline.error)
+        raise EngineError(self._pipeline.error or "generation failed")
+
+    # ------------------------------------------------------------ helpers
+
     def _feed(self, batch: list[TokenEvent]) -> list[TextDelta]:
         deltas, tokens = [], 0
         for event in batch:
-            if self.pipeline.done:
+            if self._pipeline.done:
                 break
             if event.token_id is not None:
                 tokens += 1
-            delta = self.pipeline.feed(event)
+            delta = self._pipeline.feed(event)
             if delta:
                 deltas.append(delta)
         if tokens:
@@ -114,7 +151,7 @@ class Generation:
     def _time_tokens(self, now_s: float, count: int) -> None:
         """``count`` tokens arrived at ``now_s`` (one batch: they share the time)."""
         if self._last_token_s is None:
-            self._metrics.first_token(now_s - self._arrival_s)
+            self._metrics.first_token(now_s - self.arrival_s)
             if count > 1:
                 self._metrics.next_tokens(0.0, count - 1)
         else:
@@ -122,11 +159,11 @@ class Generation:
         self._last_token_s = now_s
 
     def _record_finish(self) -> None:
-        reason = self.pipeline.finish_reason
+        reason = self._pipeline.finish_reason
         if reason is None:
             self._metrics.failed("cancelled")
         elif reason == FINISH_ERROR:
             self._metrics.failed("engine_error")
         else:
-            e2e_s = time.perf_counter() - self._arrival_s
-            self._metrics.finished(reason, self.pipeline.completion_tokens, e2e_s)
+            e2e_s = time.perf_counter() - self.arrival_s
+            self._metrics.finished(reason, self._pipeline.completion_tokens, e2e_s)

@@ -1,0 +1,265 @@
+"""One request's run across a prefill node and a decode node.
+
+Its place in the whole path: docs/cluster-flow.md, "One request on the router".
+
+A ``RoutedRequest`` owns everything the router holds for one request below the
+text layer: its placements (attempts), the inbox its nodes' RESULT frames land
+in, the ``StreamBridge`` merging them, and its outcome counters. What it needs
+from the router comes in a ``RoutingContext`` (node selection, the pool's
+dispatch counts, the stats sink, the admission wake-up, the re-route limit); it
+never sees the ``ClusterBackend``. Read it top to bottom: ``events`` places the
+request, then turns node events into ``TokenEvent`` batches (``index`` = seq);
+``close`` cancels and counts.
+
+Faults: a node lost (or at capacity) before the client saw a token → the
+request is placed again (a new wire id, so late frames of the old attempt
+cannot leak in; the old claim is cancelled); ``D`` lost mid-stream → one error
+event, then the stream ends; ``P`` lost after seq 0 → ``D`` carries on (it
+errors the claim itself if the KV never arrives). The iterator closed early
+(client gone, stop string) → CANCEL to whichever side is still working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from dataclasses import dataclass
+
+from mlxcel_plugin.balancer_api import RequestInfo
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
+from mlxcel_plugin.errors import (
+    AtCapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    NodeLostError,
+    NoHealthyNodeError,
+)
+from mlxcel_plugin.link.protocol.frames import Request
+from router_plugin.backend import next_batch
+from router_plugin.node_pool import NodePool
+from router_plugin.peer_links import PeerEvent, PeerLink
+from router_plugin.stats import RouterStats
+from router_plugin.stream_bridge import DECODE, PREFILL, BridgeOutput, ResultEvent, StreamBridge
+
+logger = logging.getLogger(__name__)
+
+AT_CAPACITY_CODES = frozenset({AtCapacityError.code, NoHealthyNodeError.code})
+# A node's refusal that is the client's fault: the same 400 a single node would give.
+CLIENT_ERRORS: dict[str, type[InvalidRequestError]] = {
+    InvalidRequestError.code: InvalidRequestError,
+    ContextLengthError.code: ContextLengthError,
+    "prompt_too_long": ContextLengthError,
+}
+
+# (role, request, excluded node ids) -> a healthy node of that role
+SelectNode = Callable[[str, RequestInfo, Collection[str]], Awaitable[PeerLink]]
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    """What a routed request needs from the router, passed in (shared by all requests)."""
+
+    select: SelectNode  # the balancers' pick, re-probing unreachable nodes once
+    pool: NodePool  # dispatch/finish counts, which the balancers read
+    stats: RouterStats
+    on_load_change: Callable[[], None]  # a dispatch changed the load: admission may act
+    max_placements: int  # first placement + re-routes
+
+
+@dataclass
+class Placement:
+    """One routing attempt of a request: its wire id and the two nodes serving it."""
+
+    attempt: int
+    wire_id: str
+    prefill: PeerLink
+    decode: PeerLink
+    # "done": that side holds nothing more for this attempt (finished, failed or gone).
+    prefill_done: bool = False
+    decode_done: bool = False
+
+    def side(self, source: str) -> PeerLink:
+        return self.prefill if source == PREFILL else self.decode
+
+
+def wire_id(request_id: str, attempt: int) -> str:
+    # A fresh id per attempt: frames of an abandoned attempt find no route.
+    return request_id if attempt == 0 else f"{request_id}~{attempt}"
+
+
+class RoutedRequest:
+    """One admitted request: placement, the merged result streams, and its cleanup."""
+
+    def __init__(self, context: RoutingContext, request: GenerationRequest):
+        self.context = context
+        self.request = request
+        self.bridge = StreamBridge()
+        self.inbox: asyncio.Queue[tuple[int, PeerEvent]] = asyncio.Queue()
+        self.placement: Placement | None = None
+        self.excluded: set[str] = set()  # nodes that failed this request before a token
+        self.index = 0  # completion index of the next token
+        self.refused = False  # answered 503: no node could take it
+        context.stats.requests.total += 1
+        context.stats.active_prefills += 1
+
+    async def events(self) -> AsyncIterator[list[TokenEvent]]:
+        try:
+            await self._place()
+            while not self.bridge.complete:  # ends with the bridge's one terminal output
+                batch: list[TokenEvent] = []
+                for attempt, event in await next_batch(self.inbox):
+                    if attempt != self.placement.attempt:
+                        continue  # queued before a re-route; the attempt it belongs to is gone
+                    for output in await self._on_event(event):
+                        batch += self._token_events(output)
+                if batch:
+                    yield batch
+        except AtCapacityError:
+            self.refused = True  # raised before any token: the client gets 503 + Retry-After
+            raise
+
+    # ------------------------------------------------------------ placement
+
+    async def _place(self) -> None:
+        info = RequestInfo(self.request.request_id, len(self.request.prompt_tokens),
+                           self.request.max_tokens)
+        prefill = await self.context.select(PREFILL, info, self.excluded)
+        decode = await self.context.select(DECODE, info, self.excluded)
+        attempt = self.bridge.attempt
+        placement = Placement(attempt, wire_id(self.request.request_id, attempt), prefill, decode)
+        self.placement = placement
+        for peer in (prefill, decode):
+            peer.register(placement.wire_id, self._sink(attempt))
+            self.context.pool.on_dispatch(peer.node_id)
+        self.context.on_load_change()
+        # REQUEST first: prefill is on the first token's path; D holds a KV that beats the claim.
+        await self._send(placement, prefill, self._request_frame(placement))
+        await self._send(placement, decode, self._claim_frame(placement))
+
+    def _sink(self, attempt: int) -> Callable[[PeerEvent], None]:
+        inbox = self.inbox
+        return lambda event: inbox.put_nowait((attempt, event))
+
+    async def _send(self, placement: Placement, peer: PeerLink, request: Request) -> None:
+        try:
+            await peer.send(request.to_frame())
+        except NodeLostError as exc:
+            # The link went down between selection and send; handle it like any loss.
+            lost = PeerEvent(peer.role, peer.node_id, error=exc.message, lost=True)
+            self.inbox.put_nowait((placement.attempt, lost))
+
+    def _claim_frame(self, placement: Placement) -> Request:
+        r = self.request
+        return Request(placement.wire_id, [], r.sampling.to_dict(), r.max_tokens,
+                       list(r.stop_token_ids), claim=True)
+
+    def _request_frame(self, placement: Placement) -> Request:
+        r = self.request
+        return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
+                       r.max_tokens, list(r.stop_token_ids),
+                       decode_target=placement.decode.address)
+
+    # ------------------------------------------------------------ events
+
+    async def _on_event(self, event: PeerEvent) -> list[BridgeOutput]:
+        placement = self.placement
+        if event.source == DECODE:
+            placement.prefill_done = True  # D has the KV (or P's part no longer matters)
+        if event.lost or event.error is not None:
+            self._side_done(event.source)
+            return await self._on_failure(event)
+        result = event.result
+        if result.finish_reason is not None:
+            self._side_done(event.source)
+        # else a non-final seq 0 leaves P busy handing the KV to D: it is cancelled if we stop.
+        return self._feed(ResultEvent(event.source, result.seq, tuple(result.token_ids),
+                                      result.finish_reason, result.error, self.bridge.attempt))
+
+    def _feed(self, result: ResultEvent) -> list[BridgeOutput]:
+        had_token = self.bridge.emitted_any_token
+        outputs = self.bridge.feed(result)
+        if not had_token and self.bridge.emitted_any_token:
+            self.context.stats.active_prefills -= 1
+            self.context.stats.active_decodes += 1
+        return outputs
+
+    async def _on_failure(self, event: PeerEvent) -> list[BridgeOutput]:
+        if self.bridge.can_reroute and self._worth_rerouting(event):
+            await self._reroute(event.node_id)
+            return []
+        if event.lost and event.source == PREFILL and self.bridge.emitted_any_token:
+            return []  # D owns the sequence now; it errors the claim if the KV never came
+        if event.code in CLIENT_ERRORS and not self.bridge.emitted_any_token:
+            raise CLIENT_ERRORS[event.code](f"{event.node_id} refused the request: {event.error}")
+        if event.code in AT_CAPACITY_CODES and not self.bridge.emitted_any_token:
+            raise AtCapacityError(f"{event.node_id} at capacity: {event.error}")
+        if event.lost:
+            return self.bridge.node_lost(event.source)
+        return self.bridge.feed(ResultEvent(event.source, self.bridge.next_seq,
+                                            error=event.error, attempt=self.bridge.attempt))
+
+    def _worth_rerouting(self, event: PeerEvent) -> bool:
+        if self.bridge.attempt + 1 >= self.context.max_placements:
+            return False
+        return event.lost or event.code in AT_CAPACITY_CODES
+
+    async def _reroute(self, failed_node_id: str) -> None:
+        logger.info("re-routing %s: %s failed before its first token",
+                    self.request.request_id, failed_node_id)
+        self.excluded.add(failed_node_id)
+        await self._release(self.placement, "rerouted")
+        self.bridge.restart()
+        self.context.stats.requests.rerouted += 1
+        await self._place()
+
+    def _side_done(self, source: str) -> None:
+        placement = self.placement
+        if source == PREFILL:
+            placement.prefill_done = True
+        else:
+            placement.decode_done = True
+
+    def _token_events(self, output: BridgeOutput) -> list[TokenEvent]:
+        rid = self.request.request_id
+        if not output.token_ids:
+            return [TokenEvent(rid, self.index, None, output.finish_reason, output.error)]
+        events = []
+        last = len(output.token_ids) - 1
+        for i, token_id in enumerate(output.token_ids):
+            finish = output.finish_reason if i == last else None
+            events.append(TokenEvent(rid, self.index, token_id, finish,
+                                     output.error if finish else None))
+            self.index += 1
+        return events
+
+    # ------------------------------------------------------------ cleanup
+
+    async def close(self) -> None:
+        """Cancel what still runs, free the routes, count the outcome."""
+        if self.placement is not None:
+            await self._release(self.placement, "client closed the stream")
+        if self.bridge.emitted_any_token:
+            self.context.stats.active_decodes -= 1
+        else:
+            self.context.stats.active_prefills -= 1
+        self._count_outcome()
+
+    async def _release(self, placement: Placement, reason: str) -> None:
+        for source, done in ((PREFILL, placement.prefill_done), (DECODE, placement.decode_done)):
+            peer = placement.side(source)
+            peer.unregister(placement.wire_id)
+            self.context.pool.on_finish(peer.node_id)
+            if not done:
+                await peer.cancel(placement.wire_id, reason)
+
+    def _count_outcome(self) -> None:
+        counters = self.context.stats.requests
+        if self.refused:
+            counters.rejected += 1
+        elif not self.bridge.complete:
+            counters.closed_early += 1
+        elif self.bridge.finish_reason == FINISH_ERROR:
+            counters.failed += 1
+        else:
+            counters.completed += 1

@@ -1,0 +1,121 @@
+"""RoutedRequest with a hand-built RoutingContext: everything it uses of the router is passed in."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+
+import pytest
+
+from mlxcel_plugin.balancer_api import RequestInfo
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
+from mlxcel_plugin.link import Backoff
+from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
+from router_plugin.node_pool import NodePool
+from router_plugin.peer_links import PeerLink, PeerLinks, make_dialer
+from router_plugin.routed_request import RoutedRequest, RoutingContext, wire_id
+from router_plugin.stats import RouterStats
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+class Router:
+    """Two prefill nodes, one decode node, and a context whose calls are recorded."""
+
+    def __init__(self, prefills: list[FakePrefill], decode: FakeDecode, peers: PeerLinks):
+        self.prefills, self.decode, self.peers = prefills, decode, peers
+        self.selections: list[tuple[str, str, set[str]]] = []
+        self.load_changes = 0
+        self.stats = RouterStats()
+
+    async def select(self, role: str, info: RequestInfo, excluded: Collection[str]) -> PeerLink:
+        # The first node of the role not excluded, in id order: no balancer involved.
+        self.selections.append((role, info.request_id, set(excluded)))
+        node_id = next(n for n in sorted(self.peers.peers) if n.startswith(role)
+                       and n not in excluded)
+        return self.peers[node_id]
+
+    def on_load_change(self) -> None:
+        self.load_changes += 1
+
+    def context(self, max_placements: int = 3) -> RoutingContext:
+        return RoutingContext(select=self.select, pool=self.peers.pool, stats=self.stats,
+                              on_load_change=self.on_load_change,
+                              max_placements=max_placements)
+
+    async def close(self) -> None:
+        await self.peers.close()
+        for node in (*self.prefills, self.decode):
+            await node.stop()
+
+
+async def router() -> Router:
+    decode = await FakeDecode(node_id="d0").start()
+    prefills = [await FakePrefill(node_id=f"p{i}", decodes={decode.address: decode}).start()
+                for i in range(2)]
+    pool = NodePool.from_peers([p.address for p in prefills], [decode.address])
+    peers = PeerLinks(pool, make_dialer(SECRET, "router-test"),
+                      backoff=Backoff(initial_s=0.02, max_s=0.2))
+    peers.start()
+    async with asyncio.timeout(5):
+        while not all(p.connected for p in peers.peers.values()):  # bounded by the timeout
+            await asyncio.sleep(0.01)
+    return Router(prefills, decode, peers)
+
+
+async def run_request(routed: RoutedRequest) -> list[TokenEvent]:
+    try:
+        return [event async for batch in routed.events() for event in batch]
+    finally:
+        await routed.close()
+
+
+def request(rid: str = "r1") -> GenerationRequest:
+    return GenerationRequest(rid, (5, 6, 7), 50, stop_token_ids=(EOS,))
+
+
+def test_wire_id_is_fresh_per_attempt() -> None:
+    assert [wire_id("r", attempt) for attempt in range(3)] == ["r", "r~1", "r~2"]
+
+
+def test_places_through_the_context_and_counts_into_its_stats() -> None:
+    async def main():
+        r = await router()
+        events = await run_request(RoutedRequest(r.context(), request()))
+        assert [e.token_id for e in events] == echo_script((5, 6, 7))
+        assert r.selections == [("prefill", "r1", set()), ("decode", "r1", set())]
+        assert r.load_changes == 1  # once, right after both dispatches
+        assert (r.stats.requests.total, r.stats.requests.completed) == (1, 1)
+        assert r.stats.active_prefills == 0 and r.stats.active_decodes == 0
+        in_flight = [n["in_flight"] for role in r.peers.pool.stats(0).values() for n in role]
+        assert in_flight == [0, 0, 0]
+        await r.close()
+
+    run(main())
+
+
+def test_reroute_excludes_the_failed_node_up_to_the_contexts_limit() -> None:
+    async def main():
+        r = await router()
+        r.prefills[0].drop_link_on_request = True
+        events = await run_request(RoutedRequest(r.context(max_placements=2), request()))
+        assert [e.token_id for e in events] == echo_script((5, 6, 7))
+        assert r.selections[2:] == [("prefill", "r1", {"prefill-0"}),
+                                    ("decode", "r1", {"prefill-0"})]
+        assert r.stats.requests.rerouted == 1
+        assert r.prefills[1].requests[0].request_id == "r1~1"
+        await r.close()
+
+        r = await router()
+        r.prefills[0].drop_link_on_request = True
+        events = await run_request(RoutedRequest(r.context(max_placements=1), request("r2")))
+        assert len(events) == 1 and events[0].finish_reason == FINISH_ERROR
+        assert len(r.selections) == 2 and r.stats.requests.rerouted == 0
+        assert r.stats.requests.failed == 1
+        await r.close()
+
+    run(main())
