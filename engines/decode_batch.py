@@ -14,7 +14,7 @@ projection (for small models, reading ``lm_head`` is much of a step).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -50,6 +50,8 @@ class Sequence:
     sampler: TokenSampler
     last_token: int  # the newest token: the input of the next step
     num_generated: int  # tokens emitted so far, the first one included
+    # Tokens emitted so far, kept only where a finished sequence's KV is reused.
+    generated: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -238,6 +240,16 @@ class DecodeBatch:
             group.keep([i - start for i in range(start, start + size) if i in wanted])
             start += size
         self._groups = [g for g in self._groups if g.sequences]
+
+    def sequence_caches(self, index: int) -> list[Any]:
+        """Per-layer caches of the sequence at ``index`` alone, unpadded (a copy if batched)."""
+        for group in self._groups:
+            if index < len(group.sequences):
+                if not group.batched:
+                    return group.caches
+                return [cache.extract(index) for cache in group.caches]
+            index -= len(group.sequences)
+        raise IndexError(index)
 
     def remove(self, request_ids: set[str]) -> list[Sequence]:
         removed = [s for s in self.sequences if s.request_id in request_ids]

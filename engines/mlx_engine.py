@@ -35,7 +35,7 @@ from engines.engine_commands import (
     finish_command,
 )
 from engines.model_loader import load_mlx_model, model_info
-from engines.prefill import Prefilled, prefill_request, run_prefill
+from engines.prefill import Prefilled, prefill_request, warm_up
 from engines.prefix_cache import PrefixCache
 from engines.request_rules import SpeedMeter, check_request, finish_reason
 from engines.sampling import TokenSampler
@@ -63,7 +63,6 @@ from mlxcel_plugin.errors import (
 
 log = logging.getLogger(__name__)
 
-WARMUP_TOKENS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
 class MlxEngine:
@@ -172,7 +171,7 @@ class MlxEngine:
     def _serve(self) -> None:
         try:
             if self.config.warmup:
-                self._warmup()
+                warm_up(self.model, self.config.chunk_size_tokens)
         finally:
             self._ready.set()
         while self._handle_commands():
@@ -247,7 +246,7 @@ class MlxEngine:
         prompt = request.prompt_tokens
         kv_convert.check_cache_state(command.cache, self.info.fingerprint, len(prompt))
         sampler = TokenSampler(request.sampling, (*prompt, first), self.info.vocab_size)
-        sequence = Sequence(request, command.emit, sampler, last_token=first, num_generated=1)
+        sequence = Sequence(request, command.emit, sampler, first, 1, [first])
         # The first token was emitted by the prefill node; it may already end the request.
         reason = finish_reason(request, self.info, first, 1)
         if reason is not None:
@@ -291,7 +290,7 @@ class MlxEngine:
             finish_command(job, FINISH_ERROR, exc)
             return
         token = done.token
-        sequence = Sequence(request, job.emit, done.sampler, last_token=token, num_generated=1)
+        sequence = Sequence(request, job.emit, done.sampler, token, 1, [token])
         reason = finish_reason(request, self.info, token, 1)
         first = TokenEvent(request.request_id, 0, token, reason, cached_tokens=done.cached_tokens)
         if deliver(job.emit, first) and reason is None:
@@ -329,8 +328,19 @@ class MlxEngine:
             self._fail_batch(exc)
             return
         keep = [i for i, seq in enumerate(self._batch.sequences) if self._advance(seq, logits[i])]
+        if self._prefix.reuse_generated and len(keep) < len(logits):
+            self._store_finished(set(range(len(logits))) - set(keep))
         self._batch.keep(keep)
         self._speed.record(len(logits), time.perf_counter() - started)
+
+    def _store_finished(self, indices: set[int]) -> None:
+        """``reuse_generated``: keep what finished sequences hold, their replies included."""
+        sequences = self._batch.sequences
+        for i in sorted(indices):
+            seq = sequences[i]
+            held = (*seq.request.prompt_tokens, *seq.generated[:-1])  # the last was never fed
+            self._prefix.store_finished(held, self._batch.sequence_caches(i))
+        self._fit_prefix_cache()
 
     def _advance(self, sequence: Sequence, logits: np.ndarray) -> bool:
         """Sample, emit; True while the sequence goes on."""
@@ -338,6 +348,7 @@ class MlxEngine:
         sequence.sampler.observe(token)
         sequence.num_generated += 1
         sequence.last_token = token
+        sequence.generated.append(token)
         reason = finish_reason(sequence.request, self.info, token, sequence.num_generated)
         event = TokenEvent(sequence.request_id, sequence.num_generated - 1, token, reason)
         return deliver(sequence.emit, event) and reason is None
@@ -387,12 +398,3 @@ class MlxEngine:
             tokens_per_s=self._speed.tokens_per_s,
             prefix_cache=self._prefix.stats(),
         )
-
-    def _warmup(self) -> None:
-        """Run the prefill and batch-decode paths once so the first request pays no set-up."""
-        caches = make_prompt_cache(self.model)
-        run_prefill(self.model, WARMUP_TOKENS, caches, self.config.chunk_size_tokens)
-        batch = DecodeBatch(self.model)
-        # A placeholder sequence: step() only reads its last token, nothing is emitted.
-        batch.add([Sequence(None, None, None, last_token=0, num_generated=1)], [caches])
-        batch.step()

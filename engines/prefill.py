@@ -16,11 +16,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.decode_batch import DecodeBatch, Sequence
 from engines.prefix_cache import PrefixCache
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest
 
 LayerEvaluated = Callable[[int, Any], None]
+WARMUP_TOKENS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
 def run_prefill(
@@ -96,3 +98,13 @@ def prefill_request(
     token = sampler.sample(np.array(logits.astype(mx.float32)), len(prompt))
     sampler.observe(token)
     return Prefilled(sampler, token, caches, reused.reused_tokens if reused else 0)
+
+
+def warm_up(model: nn.Module, chunk_size_tokens: int) -> None:
+    """Run the prefill and batch-decode paths once so the first request pays no set-up."""
+    caches = make_prompt_cache(model)
+    run_prefill(model, WARMUP_TOKENS, caches, chunk_size_tokens)
+    batch = DecodeBatch(model)
+    # A placeholder sequence: step() only reads its last token, nothing is emitted.
+    batch.add([Sequence(None, None, None, last_token=0, num_generated=1)], [caches])
+    batch.step()

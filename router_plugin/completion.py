@@ -56,6 +56,7 @@ class Completion:
         self._events: AsyncIterator[list[TokenEvent]] | None = None
         self._first: list[TokenEvent] | None = None
         self._lost = False  # the stream ended without a terminal event
+        self.cached_tokens = 0  # from the first token's event: prompt tokens a node had cached
 
     # ------------------------------------------------------------ the run
 
@@ -123,7 +124,8 @@ class Completion:
 
     def usage(self) -> dict[str, int]:
         """The response's ``usage``: the one place it is assembled (bodies, SSE, LiteLLM)."""
-        return responses.usage(len(self.request.prompt_tokens), self._pipeline.completion_tokens)
+        prompt = len(self.request.prompt_tokens)
+        return responses.usage(prompt, self._pipeline.completion_tokens, self.cached_tokens)
 
     def raise_if_failed(self) -> None:
         if self._pipeline.finish_reason != FINISH_ERROR:
@@ -141,6 +143,9 @@ class Completion:
                 break
             if event.token_id is not None:
                 tokens += 1
+            if event.index == 0 and event.cached_tokens:
+                self.cached_tokens = event.cached_tokens
+                self._metrics.cached_prompt_tokens(event.cached_tokens)
             delta = self._pipeline.feed(event)
             if delta:
                 deltas.append(delta)

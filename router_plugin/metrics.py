@@ -72,6 +72,10 @@ class FrontMetrics:
         self._prompt = Counter(
             "mlxcel:prompt_tokens", "Prompt tokens processed.", labels, registry=r
         )
+        self._cached = Counter(
+            "mlxcel:prompt_cached_tokens", "Prompt tokens served from a node's prefix cache.",
+            labels, registry=r,
+        )  # fmt: skip
         self._generation = Counter(
             "mlxcel:generation_tokens", "Tokens generated.", labels, registry=r
         )
@@ -92,6 +96,9 @@ class FrontMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def cached_prompt_tokens(self, tokens: int) -> None:
+        self._cached.labels(self._model).inc(tokens)
 
     def request_started(self, prompt_tokens: int) -> None:
         self._prompt.labels(self._model).inc(prompt_tokens)

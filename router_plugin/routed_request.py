@@ -99,6 +99,7 @@ class RoutedRequest:
         self.placement: Placement | None = None
         self.excluded: set[str] = set()  # nodes that failed this request before a token
         self.index = 0  # completion index of the next token
+        self.cached_tokens = 0  # prompt tokens the prefill node had cached (its first Result)
         self.refused = False  # answered 503: no node could take it
         context.stats.requests.total += 1
         context.stats.active_prefills += 1
@@ -170,6 +171,8 @@ class RoutedRequest:
             self._side_done(event.source)
             return await self._on_failure(event)
         result = event.result
+        if event.source == PREFILL and result.seq == 0:
+            self.cached_tokens = result.cached_tokens  # reported with the first token
         if result.finish_reason is not None:
             self._side_done(event.source)
         # else a non-final seq 0 leaves P busy handing the KV to D: it is cancelled if we stop.
@@ -228,8 +231,9 @@ class RoutedRequest:
         last = len(output.token_ids) - 1
         for i, token_id in enumerate(output.token_ids):
             finish = output.finish_reason if i == last else None
+            cached = self.cached_tokens if self.index == 0 else 0
             events.append(TokenEvent(rid, self.index, token_id, finish,
-                                     output.error if finish else None))
+                                     output.error if finish else None, cached))
             self.index += 1
         return events
 

@@ -123,7 +123,8 @@ class DecodeNode:
                 "ready": len(self.ready), "active": len(self.live),
                 "backpressure": stats.backpressure, "kv_bytes": stats.kv_used_bytes,
                 "ingest_bytes": self.receiver.allocated_bytes,
-                "engine_kv_bytes": self.engine.stats().kv_bytes}
+                "engine_kv_bytes": self.engine.stats().kv_bytes,
+                "prefix_cache_bytes": self.engine.stats().prefix_cache.cached_bytes}
 
     # -- links -------------------------------------------------------------------------
 

@@ -149,3 +149,26 @@ def test_reuse_generated_reuses_any_prefix():
     assert exact._usable(prompt_len=700, held=650) == 512
     assert exact._usable(prompt_len=513, held=650) == 512
     assert exact._usable(prompt_len=512, held=650) == 256
+
+
+def _two_turns(path, reuse_generated: bool) -> tuple[list[int], list[int], int]:
+    prefix = PrefixCacheConfig(max_bytes=1 << 30, reuse_generated=reuse_generated)
+    eng = MlxEngine.from_path(str(path), EngineConfig(chunk_size_tokens=CHUNK, prefix_cache=prefix))
+    eng.start()
+    try:
+        first_prompt = SHARED + tokens(50, seed=500)
+        first = support.generate(eng, GenerationRequest("t1", first_prompt, 10)).tokens
+        second_prompt = first_prompt + tuple(first) + tokens(30, seed=501)
+        second = support.generate(eng, GenerationRequest("t2", second_prompt, 10))
+        return first, second.tokens, second.events[0].cached_tokens
+    finally:
+        eng.close()
+
+
+def test_reuse_generated_reuses_the_reply_and_is_deterministic(tiny_model_path):
+    first, second, cached = _two_turns(tiny_model_path, reuse_generated=True)
+    # Everything the first turn's sequence held: its prompt and all but its last token.
+    assert cached == len(SHARED) + 50 + len(first) - 1
+    assert _two_turns(tiny_model_path, reuse_generated=True)[:2] == (first, second)
+    exact_first, _, exact_cached = _two_turns(tiny_model_path, reuse_generated=False)
+    assert exact_first == first and exact_cached == 1024

@@ -38,7 +38,8 @@ def test_usage_and_finish_reason_come_from_the_completion(text_tokenizer) -> Non
     assert completion.done and completion.finish_reason == "stop" and backend.closed
     prompt = len(completion.request.prompt_tokens)
     assert completion.usage() == {"prompt_tokens": prompt, "completion_tokens": len(ids),
-                                  "total_tokens": prompt + len(ids)}
+                                  "total_tokens": prompt + len(ids),
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
     completion.raise_if_failed()  # a clean finish raises nothing
 
 
@@ -57,3 +58,11 @@ def test_a_stream_that_breaks_off_is_a_lost_node(text_tokenizer) -> None:
     assert completion.finish_reason == FINISH_ERROR
     with pytest.raises(NodeLostError):
         completion.raise_if_failed()
+
+
+def test_usage_reports_the_cached_tokens_of_the_first_event(text_tokenizer) -> None:
+    ids = text_tokenizer.encode("a b", add_special_tokens=False) + [EOS]
+    events = [TokenEvent("x", i, t, cached_tokens=512 if i == 0 else 0) for i, t in enumerate(ids)]
+    completion = plan(text_tokenizer, ScriptedBackend(events), stream=False)
+    assert texts(completion) == "a b"
+    assert completion.usage()["prompt_tokens_details"] == {"cached_tokens": 512}

@@ -1,188 +1,70 @@
-"""Link frames: the plaintext of a record. Pure encode/decode, no I/O.
+"""Link frames: the typed frames of the protocol, on the codec in ``frame_codec``.
 
-Layout: ``type u8 | header_len u32 BE | header (msgpack map) | body (raw bytes)``.
-The header is small metadata; bulk data (token ids of a prompt, KV tensors)
-travels as raw bytes in the body, never JSON or base64. Every optional header
-field has a default and unknown fields are ignored, so minor versions
-interoperate. See docs/protocol.md.
+Each frame is a frozen dataclass with ``to_frame`` / ``from_frame``. Every
+optional header field has a default and unknown fields are ignored, so minor
+versions interoperate. The codec's names are re-exported here, so callers
+import every frame name from this module. See docs/protocol.md.
 """
 
 from __future__ import annotations
 
-import enum
-import struct
-import sys
-from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import msgpack
-
-from mlxcel_plugin.errors import ProtocolError
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
+from mlxcel_plugin.link.protocol.frame_codec import (
+    MAX_HEADER_BYTES,
+    MAX_PROMPT_TOKENS,
+    Body,
+    Frame,
+    FrameError,
+    FrameType,
+    MalformedFrame,
+    PromptTooLong,
+    UnknownFrameType,
+    decode_frame,
+    encode_frame,
+    encode_header,
+    expect_type,
+    frame_size,
+    get_field,
+    get_int_list,
+    pack_token_ids,
+    split_frame,
+    unpack_token_ids,
+)
 
-MAX_HEADER_BYTES = 1024 * 1024
-MAX_PROMPT_TOKENS = 1_048_576  # prompt admission cap on REQUEST frames
-_PREFIX = struct.Struct(">BI")
-_TOKEN_ITEMSIZE = 4  # prompt token ids travel as uint32 little-endian
-
-
-class FrameError(ProtocolError):
-    code = "bad_frame"
-
-
-class MalformedFrame(FrameError):
-    code = "frame_malformed"
-
-
-class UnknownFrameType(FrameError):
-    """A type this version does not know (a newer minor peer); links skip these."""
-
-    code = "frame_unknown_type"
-
-
-class PromptTooLong(FrameError):
-    code = "prompt_too_long"
-
-
-class FrameType(enum.IntEnum):
-    REQUEST = 1
-    RESULT = 2
-    KV_BEGIN = 3
-    KV_CHUNK = 4
-    KV_END = 5
-    KV_ACK = 6
-    CANCEL = 7
-    TELEMETRY = 8
-    PING = 9
-    PONG = 10
-    ERROR = 11
-
-
-Body = bytes | bytearray | memoryview | BodyParts
-
-
-@dataclass(frozen=True)
-class Frame:
-    type: FrameType
-    header: dict[str, Any] = field(default_factory=dict)
-    body: Body = b""
-
-    def __repr__(self) -> str:
-        # Bodies can be megabytes of tensor bytes: show their size only.
-        return f"Frame({self.type.name}, header={self.header!r}, body={len(self.body)} bytes)"
-
-
-# ---------------------------------------------------------------- generic codec
-
-
-def encode_header(frame_type: FrameType, header: Mapping[str, Any]) -> bytes:
-    """Type byte, header length and header: everything before the body."""
-    try:
-        packed = msgpack.packb(dict(header), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise MalformedFrame(f"frame header cannot be encoded: {exc}") from None
-    if len(packed) > MAX_HEADER_BYTES:
-        raise MalformedFrame(f"frame header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
-    return _PREFIX.pack(int(frame_type), len(packed)) + packed
-
-
-def encode_frame(frame: Frame) -> bytes:
-    return encode_header(frame.type, frame.header) + bytes(frame.body)
-
-
-def frame_size(frame: Frame) -> int:
-    """Encoded size without encoding the body (for queue accounting)."""
-    return len(encode_header(frame.type, frame.header)) + len(frame.body)
-
-
-def _unpack_header(raw: memoryview) -> dict[str, Any]:
-    try:
-        # msgpack bounds every length by the buffer size, so a crafted length
-        # cannot allocate more than the header bytes we already hold.
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException):
-        raise MalformedFrame("frame header is not valid msgpack") from None
-    if not isinstance(header, dict):
-        raise MalformedFrame("frame header is not a map")
-    return header
-
-
-def split_frame(data: Body) -> tuple[int, dict[str, Any], memoryview]:
-    """Parse without checking the type: (type code, header, body view)."""
-    view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
-    if len(view) < _PREFIX.size:
-        raise MalformedFrame(f"frame of {len(view)} bytes is shorter than its prefix")
-    type_code, header_len = _PREFIX.unpack_from(view)
-    if header_len > MAX_HEADER_BYTES or header_len > len(view) - _PREFIX.size:
-        raise MalformedFrame(f"frame header length {header_len} out of bounds")
-    end = _PREFIX.size + header_len
-    return type_code, _unpack_header(view[_PREFIX.size:end]), view[end:]
-
-
-def decode_frame(data: Body) -> Frame:
-    """Parse a frame; the body is a zero-copy view into ``data``."""
-    type_code, header, body = split_frame(data)
-    try:
-        frame_type = FrameType(type_code)
-    except ValueError:
-        raise UnknownFrameType(f"unknown frame type {type_code}") from None
-    return Frame(frame_type, header, body)
-
-
-# ---------------------------------------------------------------- header fields
-
-
-def _get(header: Mapping[str, Any], name: str, kinds: type | tuple[type, ...],
-         default: Any = None, *, required: bool = False) -> Any:
-    """One typed header field, with its default when absent."""
-    if name not in header or header[name] is None:
-        if required:
-            raise MalformedFrame(f"frame header lacks {name!r}")
-        return default
-    value = header[name]
-    # bool is an int subclass; a peer sending `true` for a count is still malformed.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and kinds is not bool):
-        raise MalformedFrame(f"frame header field {name!r} has the wrong type")
-    return value
-
-
-def _int_list(header: Mapping[str, Any], name: str) -> list[int]:
-    values = _get(header, name, list, [])
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise MalformedFrame(f"frame header field {name!r} must be a list of ints")
-    return values
-
-
-def _expect_type(frame: Frame, frame_type: FrameType) -> None:
-    if frame.type is not frame_type:
-        raise MalformedFrame(f"expected a {frame_type.name} frame, got {frame.type.name}")
-
-
-# ---------------------------------------------------------------- token ids in bodies
-
-
-def pack_token_ids(token_ids: Sequence[int]) -> bytes:
-    arr = array("I", token_ids)
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def unpack_token_ids(body: Body, max_tokens: int = MAX_PROMPT_TOKENS) -> list[int]:
-    n_bytes = len(body)
-    if n_bytes % _TOKEN_ITEMSIZE:
-        raise MalformedFrame("token id body is not a whole number of uint32")
-    if n_bytes // _TOKEN_ITEMSIZE > max_tokens:
-        raise PromptTooLong(
-            f"prompt of {n_bytes // _TOKEN_ITEMSIZE} tokens exceeds the cap of {max_tokens}"
-        )
-    arr = array("I")
-    arr.frombytes(body)
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr.tolist()
+__all__ = [
+    "Body",
+    "BodyParts",
+    "Cancel",
+    "ErrorFrame",
+    "Frame",
+    "FrameError",
+    "FrameType",
+    "MAX_HEADER_BYTES",
+    "MAX_PROMPT_TOKENS",
+    "MalformedFrame",
+    "Ping",
+    "PromptTooLong",
+    "Request",
+    "Result",
+    "Telemetry",
+    "UnknownFrameType",
+    "decode_frame",
+    "encode_frame",
+    "encode_header",
+    "expect_type",
+    "frame_size",
+    "get_field",
+    "get_int_list",
+    "kv_frame",
+    "pack_token_ids",
+    "parse_typed",
+    "split_frame",
+    "unpack_token_ids",
+]
 
 
 # ---------------------------------------------------------------- typed frames
@@ -221,22 +103,22 @@ class Request:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Request:
-        _expect_type(frame, cls.TYPE)
+        expect_type(frame, cls.TYPE)
         h = frame.header
         return cls(
-            request_id=_get(h, "request_id", str, required=True),
+            request_id=get_field(h, "request_id", str, required=True),
             prompt_token_ids=unpack_token_ids(frame.body),
-            sampling=_get(h, "sampling", dict, {}),
-            max_tokens=_get(h, "max_tokens", int, 256),
-            stop_token_ids=_int_list(h, "stop_token_ids"),
-            decode_target=_get(h, "decode_target", str),
+            sampling=get_field(h, "sampling", dict, {}),
+            max_tokens=get_field(h, "max_tokens", int, 256),
+            stop_token_ids=get_int_list(h, "stop_token_ids"),
+            decode_target=get_field(h, "decode_target", str),
             deadline_unix_s=_float_or_none(h, "deadline_unix_s"),
-            claim=_get(h, "claim", bool, False),
+            claim=get_field(h, "claim", bool, False),
         )
 
 
 def _float_or_none(header: Mapping[str, Any], name: str) -> float | None:
-    value = _get(header, name, (int, float))
+    value = get_field(header, name, (int, float))
     return None if value is None else float(value)
 
 
@@ -267,16 +149,16 @@ class Result:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Result:
-        _expect_type(frame, cls.TYPE)
+        expect_type(frame, cls.TYPE)
         h = frame.header
         return cls(
-            request_id=_get(h, "request_id", str, required=True),
-            seq=_get(h, "seq", int, required=True),
-            token_ids=_int_list(h, "token_ids"),
-            finish_reason=_get(h, "finish_reason", str),
-            generated_tokens=_get(h, "generated_tokens", int, 0),
-            error=_get(h, "error", str),
-            cached_tokens=_get(h, "cached_tokens", int, 0),
+            request_id=get_field(h, "request_id", str, required=True),
+            seq=get_field(h, "seq", int, required=True),
+            token_ids=get_int_list(h, "token_ids"),
+            finish_reason=get_field(h, "finish_reason", str),
+            generated_tokens=get_field(h, "generated_tokens", int, 0),
+            error=get_field(h, "error", str),
+            cached_tokens=get_field(h, "cached_tokens", int, 0),
         )
 
 
@@ -292,9 +174,9 @@ class Cancel:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Cancel:
-        _expect_type(frame, cls.TYPE)
+        expect_type(frame, cls.TYPE)
         h = frame.header
-        return cls(_get(h, "request_id", str, required=True), _get(h, "reason", str, ""))
+        return cls(get_field(h, "request_id", str, required=True), get_field(h, "reason", str, ""))
 
 
 @dataclass(frozen=True)
@@ -330,16 +212,16 @@ class Telemetry:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Telemetry:
-        _expect_type(frame, cls.TYPE)
+        expect_type(frame, cls.TYPE)
         h = frame.header
         return cls(
-            node_id=_get(h, "node_id", str, required=True),
-            role=_get(h, "role", str, required=True),
-            queue_depth=_get(h, "queue_depth", int, 0),
-            active_sequences=_get(h, "active_sequences", int, 0),
-            free_kv_fraction=float(_get(h, "free_kv_fraction", (int, float), 1.0)),
-            tokens_per_s=float(_get(h, "tokens_per_s", (int, float), 0.0)),
-            **{k: _get(h, k, int, 0) for k in cls._PREFIX_FIELDS},
+            node_id=get_field(h, "node_id", str, required=True),
+            role=get_field(h, "role", str, required=True),
+            queue_depth=get_field(h, "queue_depth", int, 0),
+            active_sequences=get_field(h, "active_sequences", int, 0),
+            free_kv_fraction=float(get_field(h, "free_kv_fraction", (int, float), 1.0)),
+            tokens_per_s=float(get_field(h, "tokens_per_s", (int, float), 0.0)),
+            **{k: get_field(h, k, int, 0) for k in cls._PREFIX_FIELDS},
         )
 
 
@@ -360,7 +242,8 @@ class Ping:
         if frame.type not in (FrameType.PING, FrameType.PONG):
             raise MalformedFrame(f"expected a PING or PONG frame, got {frame.type.name}")
         h = frame.header
-        return cls(_get(h, "nonce", int, 0), float(_get(h, "sent_at_s", (int, float), 0.0)))
+        sent_at_s = float(get_field(h, "sent_at_s", (int, float), 0.0))
+        return cls(get_field(h, "nonce", int, 0), sent_at_s)
 
     def pong(self) -> Frame:
         return Frame(FrameType.PONG, {"nonce": self.nonce, "sent_at_s": float(self.sent_at_s)})
@@ -382,10 +265,10 @@ class ErrorFrame:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> ErrorFrame:
-        _expect_type(frame, cls.TYPE)
+        expect_type(frame, cls.TYPE)
         h = frame.header
-        return cls(_get(h, "code", str, required=True), _get(h, "message", str, ""),
-                   _get(h, "request_id", str))
+        return cls(get_field(h, "code", str, required=True), get_field(h, "message", str, ""),
+                   get_field(h, "request_id", str))
 
 
 def kv_frame(frame_type: FrameType, header: Mapping[str, Any], body: Body = b"") -> Frame:
