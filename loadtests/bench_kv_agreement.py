@@ -37,6 +37,7 @@ from bench_kv_codecs import chunks_of, codec_figures, transcode_cache
 from prompts import make_prompt
 
 from mlxcel_plugin import openblas
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import (
     CacheLayer,
     CacheState,
@@ -45,7 +46,7 @@ from mlxcel_plugin.engine_api import (
     PrefillResult,
     TokenEvent,
 )
-from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import ModelFingerprint
 
 CODEC_NAMES = ("none", "lz4", "shuffle+lz4", "int8", "int8+lz4", "int4")

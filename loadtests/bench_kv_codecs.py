@@ -25,11 +25,11 @@ from collections.abc import Callable
 import numpy as np
 from bench_common import add_common_args, bench_result, table, write_json
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import CacheState
 from mlxcel_plugin.kv_codecs import (
     ChunkLayout,
     KVCodec,
-    builtin_codecs,
     resolve_codec,
     to_float32,
 )

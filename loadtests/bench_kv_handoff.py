@@ -54,9 +54,9 @@ from bench_common import add_common_args, bench_result, table, write_json
 
 from engines import kv_convert
 from engines.unfilled import SlabCarver
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
-from mlxcel_plugin.kv_codecs import builtin_codecs
 from mlxcel_plugin.kv_serde import (
     HandoffHeader,
     KVAssembler,
@@ -77,9 +77,6 @@ from mlxcel_plugin.nodes.kv_wire import (
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
 from mlxcel_plugin.transfer import (
-    FULL,
-    LAYER_PARALLEL,
-    STREAMED,
     FullTransfer,
     LayerParallelTransfer,
     StreamedTransfer,
@@ -92,7 +89,8 @@ SECRET = bytes(range(32))  # fixed: the spawned receiver re-imports this module
 LOOPBACK = "127.0.0.1"
 ACK_TIMEOUT_S = 120.0
 _LEN = struct.Struct(">Q")
-STRATEGIES = {FULL: FullTransfer, STREAMED: StreamedTransfer, LAYER_PARALLEL: LayerParallelTransfer}
+STRATEGIES = {s.name: s for s in (FullTransfer, StreamedTransfer, LayerParallelTransfer)}
+FULL, STREAMED, LAYER_PARALLEL = STRATEGIES
 CODECS = builtin_codecs()
 
 

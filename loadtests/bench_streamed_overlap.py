@@ -51,8 +51,9 @@ from mlxcel_plugin import openblas
 from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, PrefillResult
 from mlxcel_plugin.kv_serde import ModelFingerprint
 from mlxcel_plugin.testing.caches import make_header
-from mlxcel_plugin.transfer import STREAMED
+from mlxcel_plugin.transfer import StreamedTransfer
 
+STREAMED = StreamedTransfer.name
 PREFILL_TIMEOUT_S = 600.0
 ENGINE_CHUNK = EngineConfig().chunk_size_tokens  # what a node prefills with
 MB = 1e6

@@ -43,9 +43,12 @@ def mlxcel_register_engines(register: Register) -> None:
 def mlxcel_register_balancers(register: Register) -> None:
     """Register load-balancing strategies.
 
-    :param register: ``register(name, factory)``; ``factory(seed: int) ->
-        Balancer`` (see ``router_plugin.balancers.base``). The name is the
-        config value of ``--prefill-balancer`` / ``--decode-balancer``.
+    :param register: ``register(name, factory)``; ``factory(rng:
+        random.Random) -> Balancer`` with ``name`` and ``select(candidates,
+        request) -> NodeView`` (see ``mlxcel_plugin.balancer_api``). Every
+        random draw comes from ``rng``: the router passes one per pool, seeded
+        from ``[router] seed``. The name is the config value of
+        ``--prefill-balancer`` / ``--decode-balancer``.
     :return: nothing.
 
     All implementations are called. Example::

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from mlxcel_plugin.balancer_api import NodeView
 from mlxcel_plugin.errors import AtCapacityError, ConfigError, ContextLengthError, MlxcelError
-from router_plugin.balancers.base import NodeView
 
 ADMIT = "admit"
 QUEUE = "queue"

@@ -1,15 +1,32 @@
-"""The router's built-in plugin: registered through the ``mlxcel`` entry point ``router``."""
+"""The router's built-in plugin (entry point ``router``): its balancers and the HTTP roles.
+
+Registered through the same hooks as any third-party plugin; this is the only
+place the built-in balancers are listed.
+"""
 
 from __future__ import annotations
 
 from mlxcel_plugin.hookspecs import Register, hookimpl
-from router_plugin.balancers import BUILTIN_BALANCERS
+from router_plugin.balancers import (
+    LeastLoadedBalancer,
+    MemoryAwareBalancer,
+    PromptLengthAwareBalancer,
+    RoundRobinBalancer,
+)
+
+BALANCERS = (
+    RoundRobinBalancer,
+    LeastLoadedBalancer,
+    MemoryAwareBalancer,
+    PromptLengthAwareBalancer,
+)
 
 
 @hookimpl
 def mlxcel_register_balancers(register: Register) -> None:
-    for name, factory in BUILTIN_BALANCERS.items():
-        register(name, factory)
+    # The class is the factory: ``Balancer(rng)``.
+    for balancer in BALANCERS:
+        register(balancer.name, balancer)
 
 
 def run_hybrid(config, registry) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from mlxcel_plugin.balancer_api import Balancer
 from mlxcel_plugin.config import dataclass_from_mapping
 from mlxcel_plugin.engine_api import Engine
 from mlxcel_plugin.errors import ConfigError
@@ -22,7 +24,6 @@ from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
-from router_plugin.balancers import Balancer
 from router_plugin.cluster_backend import ClusterBackend, RouterConfig
 from router_plugin.discovery import discover_pools
 from router_plugin.front import make_app
@@ -84,10 +85,10 @@ def run_hybrid(config: Any, registry: PluginRegistry) -> None:
 
 
 def _balancers(config: Any, registry: PluginRegistry, seed: int) -> dict[str, Balancer]:
-    # Different seeds: the two pools should not break ties in lockstep.
+    # One RNG per pool, seeded apart: the two pools should not break ties in lockstep.
     return {
-        PREFILL: registry.get("balancer", config.prefill_balancer)(seed),
-        DECODE: registry.get("balancer", config.decode_balancer)(seed + 1),
+        PREFILL: registry.get("balancer", config.prefill_balancer)(random.Random(seed)),
+        DECODE: registry.get("balancer", config.decode_balancer)(random.Random(seed + 1)),
     }
 
 

@@ -16,7 +16,7 @@ from mlxcel_plugin.kv_codecs.chain import ChainCodec
 from mlxcel_plugin.kv_codecs.floats import from_float32, to_float32
 from mlxcel_plugin.kv_codecs.lossless import IdentityCodec, Lz4Codec, ShuffleCodec
 from mlxcel_plugin.kv_codecs.quant import GroupQuantCodec
-from mlxcel_plugin.kv_codecs.registry import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_codecs.resolve import resolve_codec
 
 __all__ = [
     "TENSOR_DTYPES",
@@ -33,7 +33,6 @@ __all__ = [
     "Lz4Codec",
     "ShuffleCodec",
     "UnknownCodec",
-    "builtin_codecs",
     "from_float32",
     "resolve_codec",
     "storage_dtype",

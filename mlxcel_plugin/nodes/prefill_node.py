@@ -42,7 +42,6 @@ from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler, PrefillSchedulerConfig
 from mlxcel_plugin.transfer import (
-    FULL,
     AdaptiveSelector,
     BandwidthEstimator,
     StrategyFactory,
@@ -101,7 +100,7 @@ class PrefillNode:
         self.allowlist = DecodeAllowlist.from_env(os.environ if env is None else env)
         self.scheduler = PrefillScheduler(parts.scheduler_config)
         self.links = links
-        self.selector = AdaptiveSelector(parts.transfer_config, parts.codecs)
+        self.selector = AdaptiveSelector(parts.transfer_config, parts.strategies, parts.codecs)
         self.bandwidth = BandwidthEstimator()
         self.last_choice: dict[str, Any] | None = None
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
@@ -137,11 +136,10 @@ class PrefillNode:
                 "transfer": {"last_choice": self.last_choice,
                              "bandwidth_bytes_per_s": self.bandwidth.snapshot()}}
 
-    def _record_choice(self, job: _Job, choice: Any, streaming: bool) -> None:
+    def _record_choice(self, job: _Job, choice: Any) -> None:
         """Make the adaptive choice and the estimate behind it visible: log, metric, health."""
         self.last_choice = {**choice.as_dict(), "target": job.target}
-        strategy = choice.strategy if streaming else FULL
-        self.metrics.handoff_choices.labels(strategy=strategy, codec=choice.codec).inc()
+        self.metrics.handoff_choices.labels(strategy=choice.strategy, codec=choice.codec).inc()
         logger.debug("%s: handoff %s -> %s: %s", self.node_id, job.request_id, job.target,
                      self.last_choice)
 
@@ -230,9 +228,9 @@ class PrefillNode:
         choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
                                       lanes_available=self.parts.transfer_config.parallelism,
                                       can_stream=streaming)
-        self._record_choice(job, choice, streaming)
+        self._record_choice(job, choice)
         job.choice = choice
-        strategy = make_strategy(choice.strategy if streaming else FULL, choice.codec,
+        strategy = make_strategy(choice.strategy, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
                                  chunk_bytes=self.parts.transfer_config.chunk_bytes,
                                  lanes=choice.lanes)

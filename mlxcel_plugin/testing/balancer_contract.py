@@ -1,7 +1,8 @@
 """The contract every balancer honours; run it on yours.
 
-A balancer plugin registers ``factory(seed: int) -> Balancer``. Pass that
-factory to each check (or to ``run_contract``)::
+A balancer plugin registers ``factory(rng: random.Random) -> Balancer`` (see
+``mlxcel_plugin.balancer_api``). Pass that factory to each check (or to
+``run_contract``)::
 
     import pytest
     from mlxcel_plugin.testing.balancer_contract import CONTRACT_CHECKS
@@ -11,7 +12,7 @@ factory to each check (or to ``run_contract``)::
         check(MyBalancer)
 
 A violated rule raises ``BalancerContractError`` naming the rule. Every check
-is deterministic: fixed seeds, fixed node sets, no clock.
+is deterministic: seeded RNGs, fixed node sets, no clock.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from mlxcel_plugin.balancer_api import NodeView, RequestInfo
 from mlxcel_plugin.errors import NoHealthyNodeError
 
-Factory = Callable[[int], Any]
+Factory = Callable[[random.Random], Any]
 SHORT_PROMPT_TOKENS = 16
 LONG_PROMPT_TOKENS = 1_048_576  # the router's max_prompt_tokens
 SELECTIONS = 40
@@ -37,24 +39,19 @@ def _check(condition: bool, message: str) -> None:
         raise BalancerContractError(message)
 
 
-def _types() -> tuple[Any, Any]:
-    # Imported late: mlxcel_plugin does not import router_plugin at module level.
-    from router_plugin.balancers.base import NodeView, RequestInfo
-
-    return NodeView, RequestInfo
+def _node(index: int, **fields: Any) -> NodeView:
+    return NodeView(node_id=f"node-{index}", address=f"10.0.0.{index}:9000", **fields)
 
 
-def _node(index: int, **fields: Any) -> Any:
-    node_view, _ = _types()
-    return node_view(node_id=f"node-{index}", address=f"10.0.0.{index}:9000", **fields)
+def _request(index: int, prompt_tokens: int = SHORT_PROMPT_TOKENS) -> RequestInfo:
+    return RequestInfo(request_id=f"req-{index}", prompt_tokens=prompt_tokens, max_tokens=16)
 
 
-def _request(index: int, prompt_tokens: int = SHORT_PROMPT_TOKENS) -> Any:
-    _, request_info = _types()
-    return request_info(request_id=f"req-{index}", prompt_tokens=prompt_tokens, max_tokens=16)
+def _seeded(factory: Factory, seed: int = 0) -> Any:
+    return factory(random.Random(seed))
 
 
-def _mixed_pool() -> list[Any]:
+def _mixed_pool() -> list[NodeView]:
     """Healthy nodes with varied telemetry, and unhealthy ones that look the most attractive."""
     return [
         _node(0, queue_depth=3, active_sequences=5, free_kv_fraction=0.4, tokens_per_s=50.0),
@@ -69,22 +66,32 @@ def _prompt_tokens(index: int) -> int:
     return LONG_PROMPT_TOKENS if index % 3 == 0 else SHORT_PROMPT_TOKENS
 
 
-def _pick_ids(balancer: Any, rng: random.Random | None = None) -> list[str]:
+def _pick_ids(balancer: Any) -> list[str]:
     pool = _mixed_pool()
     picks = []
     for index in range(SELECTIONS):
-        chosen = balancer.select(pool, _request(index, _prompt_tokens(index)), rng)
+        chosen = balancer.select(pool, _request(index, _prompt_tokens(index)))
         picks.append(chosen.node_id)
     return picks
 
 
+def _pick_ids_with_global_seed(factory: Factory, global_seed: int) -> list[str]:
+    """Picks of a balancer seeded 7 while the module-level ``random`` is seeded otherwise."""
+    saved = random.getstate()
+    try:
+        random.seed(global_seed)
+        return _pick_ids(_seeded(factory, 7))
+    finally:
+        random.setstate(saved)
+
+
 def check_has_name(factory: Factory) -> None:
-    name = getattr(factory(0), "name", None)
+    name = getattr(_seeded(factory), "name", None)
     _check(isinstance(name, str) and bool(name), f"balancer name must be a non-empty str: {name!r}")
 
 
 def check_never_picks_unhealthy(factory: Factory) -> None:
-    balancer, pool = factory(0), _mixed_pool()
+    balancer, pool = _seeded(factory), _mixed_pool()
     for index in range(SELECTIONS):
         chosen = balancer.select(pool, _request(index, _prompt_tokens(index)))
         _check(chosen in pool, f"picked {chosen!r}, which is not a candidate")
@@ -93,7 +100,7 @@ def check_never_picks_unhealthy(factory: Factory) -> None:
 
 def _expect_no_healthy(factory: Factory, candidates: list[Any], what: str) -> None:
     try:
-        factory(0).select(candidates, _request(0))
+        _seeded(factory).select(candidates, _request(0))
     except NoHealthyNodeError:
         return
     raise BalancerContractError(f"{what}: expected NoHealthyNodeError")
@@ -110,32 +117,30 @@ def check_all_unhealthy_raises(factory: Factory) -> None:
 
 def check_single_node(factory: Factory) -> None:
     only = _node(7, queue_depth=100, free_kv_fraction=0.01)
-    balancer = factory(0)
+    balancer = _seeded(factory)
     for index in range(SELECTIONS):
         chosen = balancer.select([only], _request(index, _prompt_tokens(index)))
         _check(chosen == only, "a single healthy candidate must always be picked")
     pool = [_node(1, healthy=False), only, _node(2, healthy=False)]
-    chosen = factory(0).select(pool, _request(0))
+    chosen = _seeded(factory).select(pool, _request(0))
     _check(chosen == only, "the only healthy candidate among unhealthy ones must be picked")
 
 
-def check_deterministic_given_seed(factory: Factory) -> None:
-    first, second = _pick_ids(factory(7)), _pick_ids(factory(7))
-    _check(first == second, f"same seed, same calls, different picks: {first} vs {second}")
-    first = _pick_ids(factory(0), random.Random(3))
-    second = _pick_ids(factory(0), random.Random(3))
-    _check(first == second, "same explicit rng seed, same calls, different picks")
+def check_deterministic_given_rng(factory: Factory) -> None:
+    """Every draw comes from the RNG the factory was given, never the ``random`` module."""
+    first, second = _pick_ids_with_global_seed(factory, 1), _pick_ids_with_global_seed(factory, 2)
+    _check(first == second, f"same rng seed, same calls, different picks: {first} vs {second}")
 
 
 def check_does_not_mutate_candidates(factory: Factory) -> None:
     pool = _mixed_pool()
     before = list(pool)
-    factory(0).select(pool, _request(0))
+    _seeded(factory).select(pool, _request(0))
     _check(pool == before, "select must not reorder or change the candidate list")
 
 
 def check_follows_membership_changes(factory: Factory) -> None:
-    balancer, pool = factory(0), [_node(i) for i in range(4)]
+    balancer, pool = _seeded(factory), [_node(i) for i in range(4)]
     for index in range(SELECTIONS // 2):
         balancer.select(pool, _request(index))
     gone = pool.pop(1)
@@ -148,7 +153,7 @@ def check_follows_membership_changes(factory: Factory) -> None:
 def check_handles_missing_telemetry(factory: Factory) -> None:
     """Nodes that never reported (defaults everywhere) are still selectable."""
     pool = [_node(i) for i in range(3)]
-    balancer = factory(0)
+    balancer = _seeded(factory)
     for prompt_tokens in (1, SHORT_PROMPT_TOKENS, LONG_PROMPT_TOKENS):
         chosen = balancer.select(pool, _request(prompt_tokens, prompt_tokens))
         _check(chosen in pool, "must pick a candidate when no telemetry has arrived")
@@ -160,7 +165,7 @@ CONTRACT_CHECKS: tuple[Callable[[Factory], None], ...] = (
     check_empty_raises,
     check_all_unhealthy_raises,
     check_single_node,
-    check_deterministic_given_seed,
+    check_deterministic_given_rng,
     check_does_not_mutate_candidates,
     check_follows_membership_changes,
     check_handles_missing_telemetry,

@@ -2,39 +2,30 @@
 
 It implements the whole ``Engine`` protocol — generate, prefill (with
 ``on_layer``), decode of a handed-off cache, cancel, stats — on its own
-thread, like the MLX engine, so node tests and the router-overhead benchmark
-run without MLX.
+thread, like the MLX engine, so node tests, front tests and the
+router-overhead benchmark run without MLX.
 
-Tokens are a pure function of (prompt, position, seed), so one node and two
-agree. The cache encodes the prompt: layer ``l`` holds ``prompt[t] + l`` in
-every K/V row of token ``t`` (float32, exact). ``decode`` reads the prompt
-back *from the cache*, so a cache damaged in transit decodes different tokens
-(or is refused) instead of passing silently.
-
-Knobs come from ``fake_engine.json`` in the "model" directory (all optional)::
-
-    {"num_layers": 4, "kv_heads": 2, "head_dim": 8, "prefill_s_per_token": 0.0,
-     "decode_step_s": 0.0, "context_length": 4096}
+By default its tokens and caches are those of ``fake_model`` (a pure function
+of prompt, position and seed; knobs from ``fake_engine.json``).
+``FakeEngine.scripted(script)`` replies with ``script(request)`` instead, for
+tests that want exact text. Either way it records what it was asked
+(``requests``) and what it cancelled (``cancelled``).
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
-    CacheLayer,
     CacheState,
     EmitToken,
     EngineConfig,
@@ -53,83 +44,38 @@ from mlxcel_plugin.errors import (
     InvalidRequestError,
     MlxcelError,
 )
+from mlxcel_plugin.testing.fake_model import (
+    CONFIG_FILE,
+    EOS_TOKEN_ID,
+    EOS_TRIGGER_TOKEN_ID,
+    VOCAB_SIZE,
+    FakeEngineSettings,
+    expected_tokens,
+    make_layer,
+    next_token,
+    prompt_from_cache,
+)
 
-CONFIG_FILE = "fake_engine.json"
-EOS_TOKEN_ID = 2
-# A prompt ending in this token makes the first generated token EOS (tests that path).
-EOS_TRIGGER_TOKEN_ID = 1
-VOCAB_SIZE = 1000
-_FIRST_REGULAR_TOKEN = 3
+__all__ = [
+    "CONFIG_FILE",
+    "EOS_TOKEN_ID",
+    "EOS_TRIGGER_TOKEN_ID",
+    "VOCAB_SIZE",
+    "FakeEngine",
+    "FakeEngineSettings",
+    "Script",
+    "expected_tokens",
+    "make_fake_engine",
+    "make_layer",
+    "next_token",
+    "prompt_from_cache",
+]
 
-
-@dataclass(frozen=True)
-class FakeEngineSettings:
-    num_layers: int = 4
-    kv_heads: int = 2
-    head_dim: int = 8
-    prefill_s_per_token: float = 0.0
-    decode_step_s: float = 0.0
-    context_length: int = 4096
-    # Prompt ids up to this are accepted: a real tokenizer's vocabulary (the
-    # router tokenizes with it), while generated ids stay below VOCAB_SIZE.
-    input_vocab_size: int = VOCAB_SIZE
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path | None) -> FakeEngineSettings:
-        if not model_dir:
-            return cls()
-        data = {"input_vocab_size": _checkpoint_vocab_size(Path(model_dir))}
-        path = Path(model_dir) / CONFIG_FILE
-        if path.is_file():
-            data.update(json.loads(path.read_text()))
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def _checkpoint_vocab_size(model_dir: Path) -> int:
-    config = model_dir / "config.json"
-    if not config.is_file():
-        return VOCAB_SIZE
-    return max(VOCAB_SIZE, int(json.loads(config.read_text()).get("vocab_size", VOCAB_SIZE)))
-
-
-def next_token(prompt: tuple[int, ...], index: int, seed: int | None) -> int:
-    """The completion token at ``index``: a pure function of prompt, position and seed."""
-    if index == 0 and prompt and prompt[-1] == EOS_TRIGGER_TOKEN_ID:
-        return EOS_TOKEN_ID
-    mix = (sum(prompt) * 31 + len(prompt) * 17 + index * 7919 + (seed or 0) * 104729) % 2**31
-    return _FIRST_REGULAR_TOKEN + mix % (VOCAB_SIZE - _FIRST_REGULAR_TOKEN)
-
-
-def expected_tokens(
-    request: GenerationRequest, eos_ids: tuple[int, ...] = (EOS_TOKEN_ID,)
-) -> list[int]:
-    """What ``generate`` emits for ``request`` (tests compare node output against this)."""
-    tokens: list[int] = []
-    seed = request.sampling.seed if not request.sampling.is_greedy else None
-    for index in range(request.max_tokens):
-        token = next_token(tuple(request.prompt_tokens), index, seed)
-        tokens.append(token)
-        if token in eos_ids or token in request.stop_token_ids:
-            break
-    return tokens
-
-
-def make_layer(prompt: tuple[int, ...], layer: int, settings: FakeEngineSettings) -> CacheLayer:
-    values = np.asarray(prompt, dtype=np.float32) + layer
-    shape = (1, settings.kv_heads, len(prompt), settings.head_dim)
-    keys = np.broadcast_to(values.reshape(1, 1, -1, 1), shape).copy()
-    return CacheLayer("KVCache", keys, -keys, "float32", len(prompt))
-
-
-def prompt_from_cache(cache: CacheState) -> tuple[int, ...]:
-    """Read the prompt back; raises EngineError when layers disagree (a damaged cache)."""
-    first = cache.layers[0].keys[0, 0, :, 0]
-    for index, layer in enumerate(cache.layers):
-        if not (np.all(layer.keys == first.reshape(1, 1, -1, 1) + index)
-                and np.array_equal(layer.values, -layer.keys)):
-            raise EngineError(f"fake cache layer {index} is inconsistent")
-    return tuple(int(v) for v in first)
+# A scripted engine's reply: its tokens in order; it stops after the last one.
+Script = Callable[[GenerationRequest], Sequence[int]]
+# SmolLM2's vocabulary: front tests tokenize prompts with the tiny checkpoint's tokenizer.
+SCRIPTED_VOCAB_SIZE = 49152
+SCRIPTED_CONTEXT_LENGTH = 2048
 
 
 @dataclass
@@ -139,6 +85,7 @@ class _Sequence:
     emit: EmitToken
     index: int  # completion index of the next token
     kv_bytes: int
+    script: list[int] | None = None  # a scripted engine's reply
 
 
 @dataclass
@@ -156,9 +103,19 @@ class _Stats:
 
 
 class FakeEngine:
-    def __init__(self, settings: FakeEngineSettings, config: EngineConfig | None = None):
-        self.settings = settings
+    def __init__(
+        self,
+        settings: FakeEngineSettings | None = None,
+        config: EngineConfig | None = None,
+        *,
+        script: Script | None = None,
+        eos_token_ids: Sequence[int] = (EOS_TOKEN_ID,),
+    ):
+        self.settings = settings = settings or FakeEngineSettings()
         self.config = config or EngineConfig()
+        self.script = script
+        self.requests: list[GenerationRequest] = []  # as submitted, in order
+        self.cancelled: list[str] = []  # ids a cancel found queued or running
         self.info = ModelInfo(
             model_id="fake",
             fingerprint={
@@ -170,7 +127,7 @@ class FakeEngine:
                 "cache_classes": ["KVCache"] * settings.num_layers,
             },
             context_length=settings.context_length,
-            eos_token_ids=(EOS_TOKEN_ID,),
+            eos_token_ids=tuple(eos_token_ids),
             vocab_size=settings.input_vocab_size,
         )
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -180,6 +137,20 @@ class FakeEngine:
         self._closed = False
         self._stats = EngineStats()
         self._speed = _Stats()
+
+    @classmethod
+    def scripted(
+        cls,
+        script: Script,
+        *,
+        eos_token_ids: Sequence[int] = (EOS_TOKEN_ID,),
+        context_length: int = SCRIPTED_CONTEXT_LENGTH,
+        token_delay_s: float = 0.0,
+    ) -> FakeEngine:
+        """An engine that replies ``script(request)``, one token per step of ``token_delay_s``."""
+        settings = FakeEngineSettings(decode_step_s=token_delay_s, context_length=context_length,
+                                      input_vocab_size=SCRIPTED_VOCAB_SIZE)
+        return cls(settings, script=script, eos_token_ids=eos_token_ids)
 
     # -- Engine protocol (any thread) ------------------------------------------------
 
@@ -197,16 +168,19 @@ class FakeEngine:
         self._cancel_queued()
 
     def generate(self, request: GenerationRequest, emit: EmitToken) -> None:
+        self.requests.append(request)
         self._submit("prefill", _Prefill(request, emit=emit))
 
     def prefill(
         self, request: GenerationRequest, on_done: PrefillDone, on_layer: LayerReady | None = None
     ) -> None:
+        self.requests.append(request)
         self._submit("prefill", _Prefill(request, on_done, on_layer))
 
     def decode(
         self, request: GenerationRequest, first_token: int, cache: CacheState, emit: EmitToken
     ) -> None:
+        self.requests.append(request)
         self._submit("decode", (request, cache, emit))
 
     def cancel(self, request_id: str) -> None:
@@ -214,6 +188,10 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def live_ids(self) -> list[str]:
+        """Requests queued for prefill or decoding now (read from any thread)."""
+        return [job.request.request_id for job in list(self._prefills)] + list(self._batch)
 
     def _submit(self, kind: str, payload: Any) -> None:
         self._commands.put((kind, payload))
@@ -300,15 +278,16 @@ class FakeEngine:
             layers.append(make_layer(prompt, index, self.settings))
             if job.on_layer is not None:
                 job.on_layer(index, layers[-1])
-        first = next_token(prompt, 0, self._seed(request))
-        reason = self._finish_reason(request, first, 0)
+        script = self._script(request)
+        first, reason = self._token(request, prompt, script, 0)
         cache = CacheState(layers)
         if job.on_done is not None:
             job.on_done(PrefillResult(request, first, cache, reason))
             return
         job.emit(TokenEvent(request.request_id, 0, first, reason))
         if reason is None:
-            self._batch[request.request_id] = _Sequence(request, prompt, job.emit, 1, cache.nbytes)
+            self._batch[request.request_id] = _Sequence(
+                request, prompt, job.emit, 1, cache.nbytes, script)
 
     def _admit(self, request: GenerationRequest, cache: CacheState, emit: EmitToken) -> None:
         try:
@@ -320,7 +299,8 @@ class FakeEngine:
         except MlxcelError as exc:
             emit(TokenEvent(request.request_id, 1, None, FINISH_ERROR, exc.message))
             return
-        self._batch[request.request_id] = _Sequence(request, prompt, emit, 1, cache.nbytes)
+        self._batch[request.request_id] = _Sequence(
+            request, prompt, emit, 1, cache.nbytes, self._script(request))
 
     def _check_cache(self, cache: CacheState, prompt_tokens: int) -> None:
         settings = self.settings
@@ -340,29 +320,44 @@ class FakeEngine:
         # threads every few ms); commands such as cancel are still read every step.
         for sequence in list(self._batch.values()):
             request = sequence.request
-            token = next_token(sequence.prompt, sequence.index, self._seed(request))
-            reason = self._finish_reason(request, token, sequence.index)
+            token, reason = self._token(request, sequence.prompt, sequence.script, sequence.index)
             sequence.emit(TokenEvent(request.request_id, sequence.index, token, reason))
             sequence.index += 1
             self._speed.tokens += 1
             if reason is not None:
                 del self._batch[request.request_id]
 
-    def _seed(self, request: GenerationRequest) -> int | None:
-        return None if request.sampling.is_greedy else request.sampling.seed
+    def _script(self, request: GenerationRequest) -> list[int] | None:
+        return None if self.script is None else list(self.script(request))
 
-    def _finish_reason(self, request: GenerationRequest, token: int, index: int) -> str | None:
-        if token in self.info.eos_token_ids or token in request.stop_token_ids:
+    def _token(self, request: GenerationRequest, prompt: tuple[int, ...],
+               script: list[int] | None, index: int) -> tuple[int | None, str | None]:
+        """The token at completion ``index`` and the finish reason it brings, if any."""
+        if script is None:
+            seed = None if request.sampling.is_greedy else request.sampling.seed
+            token, last = next_token(prompt, index, seed), False
+        elif index < len(script):
+            token, last = script[index], index == len(script) - 1
+        else:  # an empty script: the reply ends at once
+            return None, FINISH_STOP
+        return token, self._finish_reason(request, token, index, last)
+
+    def _finish_reason(self, request: GenerationRequest, token: int, index: int,
+                       last: bool) -> str | None:
+        if last or token in self.info.eos_token_ids or token in request.stop_token_ids:
             return FINISH_STOP
         if index + 1 >= request.max_tokens:
             return FINISH_LENGTH
         return None
 
     def _cancel(self, request_id: str) -> None:
-        for job in [j for j in self._prefills if j.request.request_id == request_id]:
+        queued = [j for j in self._prefills if j.request.request_id == request_id]
+        sequence = self._batch.get(request_id)
+        if queued or sequence is not None:
+            self.cancelled.append(request_id)
+        for job in queued:
             self._prefills.remove(job)
             self._refuse(job, EngineError("cancelled", code="cancelled"), FINISH_CANCELLED)
-        sequence = self._batch.get(request_id)
         if sequence is not None:
             self._end(sequence, FINISH_CANCELLED)
 

@@ -24,8 +24,9 @@ from collections import defaultdict
 
 import pytest
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.errors import HandoffError
-from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import DEFAULT_MAX_BODY_BYTES, KVAssembler, KVMessage
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,

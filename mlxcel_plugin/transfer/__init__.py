@@ -12,21 +12,11 @@ from mlxcel_plugin.transfer.base import (
 from mlxcel_plugin.transfer.config import AUTO, TransferConfig
 from mlxcel_plugin.transfer.full import FullTransfer
 from mlxcel_plugin.transfer.layer_parallel import LayerParallelTransfer
-from mlxcel_plugin.transfer.selector import (
-    FULL,
-    LAYER_PARALLEL,
-    STREAMED,
-    AdaptiveSelector,
-    SelectorTuning,
-    TransferChoice,
-)
+from mlxcel_plugin.transfer.selector import AdaptiveSelector, SelectorTuning, TransferChoice
 from mlxcel_plugin.transfer.streamed import StreamedTransfer
 
 __all__ = [
     "AUTO",
-    "FULL",
-    "LAYER_PARALLEL",
-    "STREAMED",
     "AdaptiveSelector",
     "BandwidthEstimator",
     "FullTransfer",

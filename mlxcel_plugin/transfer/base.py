@@ -9,6 +9,13 @@ in the order returned (the order matters per lane; lanes are independent).
     for i, layer in layers_as_they_are_evaluated:   # engine's on_layer
         send(strategy.add_layer(i, layer))
     send(strategy.finish())
+
+What the AdaptiveSelector may pick a strategy for, it reads from two class
+attributes of the registered factory (``WriterStrategy`` sets both False):
+``overlaps_prefill`` (sends each layer while the next computes, so it needs a
+live prefill) and ``spreads_over_lanes`` (deals messages over
+``options.lanes`` links). A factory without them is only used when configured
+by name.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class WriterStrategy:
     """Shared plumbing: one KVWriter per handoff, started once, finished once."""
 
     name = "abstract"
+    overlaps_prefill = False
+    spreads_over_lanes = False
 
     def __init__(self, options: StrategyOptions | None = None):
         self.options = options or StrategyOptions()

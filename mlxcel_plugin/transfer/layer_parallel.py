@@ -22,6 +22,8 @@ class LayerParallelTransfer(WriterStrategy):
     """
 
     name = "layer-parallel"
+    overlaps_prefill = True
+    spreads_over_lanes = True
 
     def __init__(self, options: StrategyOptions | None = None):
         super().__init__(options)

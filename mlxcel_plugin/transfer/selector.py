@@ -3,6 +3,12 @@
 Pure and deterministic: the caller passes the bandwidth estimate (from
 BandwidthEstimator) and logs ``TransferChoice.as_dict()``.
 
+It chooses among the strategies it is given (the plugin registry's
+``transfer_strategy`` entries) by what each declares (``overlaps_prefill``,
+``spreads_over_lanes``; see ``transfer.base``), never by name: one that sends a
+complete cache on one lane, one that streams layers on one lane, one that
+spreads over several lanes. Several of a kind: the first by name.
+
 Cost model per codec (serial, deliberately pessimistic — the sender encodes
 and the receiver decodes on the same threads that move bytes):
 ``payload/encode_rate + payload/ratio/bandwidth + payload/decode_rate``.
@@ -14,12 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mlxcel_plugin.errors import PluginError
 from mlxcel_plugin.kv_codecs import KVCodec, UnknownCodec, resolve_codec
+from mlxcel_plugin.transfer.base import StrategyFactory
 from mlxcel_plugin.transfer.config import AUTO, TransferConfig
-
-FULL = "full"
-STREAMED = "streamed"
-LAYER_PARALLEL = "layer-parallel"
 
 
 @dataclass(frozen=True)
@@ -50,15 +54,40 @@ class TransferChoice:
         return asdict(self)
 
 
+def _traits(factory: StrategyFactory) -> tuple[bool, bool] | None:
+    """``(overlaps_prefill, spreads_over_lanes)``, or None when the factory declares neither."""
+    if not (hasattr(factory, "overlaps_prefill") and hasattr(factory, "spreads_over_lanes")):
+        return None
+    return bool(factory.overlaps_prefill), bool(factory.spreads_over_lanes)
+
+
+def _first_with(strategies: Mapping[str, StrategyFactory], traits: tuple[bool, bool]) -> str | None:
+    return next((name for name in sorted(strategies) if _traits(strategies[name]) == traits), None)
+
+
+WHOLE_CACHE = (False, False)  # everything at finish(), one lane
+STREAMING = (True, False)  # each layer as it is evaluated, one lane
+LANES = (True, True)  # each layer as it is evaluated, dealt over several lanes
+
+
 class AdaptiveSelector:
     def __init__(
         self,
         config: TransferConfig,
+        strategies: Mapping[str, StrategyFactory],
         codecs: Mapping[str, KVCodec],
         tuning: SelectorTuning | None = None,
     ):
-        self.config = config
-        self.codecs = codecs
+        known = ", ".join(sorted(strategies)) or "none"
+        if config.strategy != AUTO and config.strategy not in strategies:
+            raise PluginError(f"unknown transfer_strategy {config.strategy!r}; registered: {known}")
+        whole = _first_with(strategies, WHOLE_CACHE)
+        if whole is None:  # a cache that is already complete needs one
+            raise PluginError(f"no registered transfer_strategy sends a complete cache: {known}")
+        self.config, self.strategies, self.codecs = config, strategies, codecs
+        self.whole_cache_strategy = whole
+        self._streaming = _first_with(strategies, STREAMING)
+        self._lanes = _first_with(strategies, LANES)
         self.tuning = tuning or SelectorTuning()
         self._ratios: dict[str, float] = {}  # codec -> measured raw/wire bytes (moving)
 
@@ -87,7 +116,11 @@ class AdaptiveSelector:
         lanes_available: int = 1,
         can_stream: bool = True,
     ) -> TransferChoice:
-        """Choose for one handoff of ``payload_bytes`` raw K/V bytes."""
+        """Choose for one handoff of ``payload_bytes`` raw K/V bytes.
+
+        ``can_stream=False``: the cache is already complete, so the choice is a
+        strategy that sends it whole on one lane.
+        """
         measured = bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s > 0
         bandwidth = bandwidth_bytes_per_s if measured else self.tuning.prior_bytes_per_s
         estimates = self._estimates(payload_bytes, bandwidth)
@@ -98,7 +131,7 @@ class AdaptiveSelector:
         return TransferChoice(
             strategy=strategy,
             codec=codec,
-            lanes=lanes if strategy == LAYER_PARALLEL else 1,
+            lanes=lanes if self._spreads_over_lanes(strategy) else 1,
             reason=f"{strategy_reason}; {codec_reason}",
             payload_bytes=payload_bytes,
             bandwidth_bytes_per_s=bandwidth,
@@ -136,15 +169,23 @@ class AdaptiveSelector:
         best = min(estimates, key=estimates.__getitem__)
         return best, f"codec {best} fastest by estimate"
 
+    def _spreads_over_lanes(self, strategy: str) -> bool:
+        return (_traits(self.strategies[strategy]) or WHOLE_CACHE)[1]
+
     def _strategy(
         self, payload_bytes: int, wire_s: float, lanes: int, can_stream: bool
     ) -> tuple[str, str]:
-        if self.config.strategy != AUTO:
-            return self.config.strategy, "strategy configured"
+        configured = self.config.strategy
+        if configured != AUTO:
+            if can_stream or _traits(self.strategies[configured]) == WHOLE_CACHE:
+                return configured, "strategy configured"
+            return self.whole_cache_strategy, f"cache already complete ({configured} streams)"
+        if not can_stream:
+            return self.whole_cache_strategy, "cache already complete"
         if payload_bytes <= self.tuning.small_payload_bytes:
-            return FULL, "small payload"
-        if lanes > 1 and wire_s >= self.tuning.parallel_min_s:
-            return LAYER_PARALLEL, f"{wire_s:.3f}s on the wire, {lanes} links"
-        if can_stream:
-            return STREAMED, "overlap transfer with prefill"
-        return FULL, "cache already complete"
+            return self.whole_cache_strategy, "small payload"
+        if self._lanes and lanes > 1 and wire_s >= self.tuning.parallel_min_s:
+            return self._lanes, f"{wire_s:.3f}s on the wire, {lanes} links"
+        if self._streaming:
+            return self._streaming, "overlap transfer with prefill"
+        return self.whole_cache_strategy, "no streaming strategy registered"

@@ -15,6 +15,7 @@ class StreamedTransfer(WriterStrategy):
     """
 
     name = "streamed"
+    overlaps_prefill = True
 
     def start(self, header: HandoffHeader) -> list[KVMessage]:
         return [self._start_writer(header).begin()]

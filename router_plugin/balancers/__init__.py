@@ -1,26 +1,17 @@
-"""Built-in load-balancing strategies, one per file; the file's ``name`` is the config value."""
+"""Built-in load-balancing strategies, one per file; the class's ``name`` is the config value.
 
-from router_plugin.balancers.base import Balancer, BalancerFactory, NodeView, RequestInfo
+The contract they implement (``Balancer``, ``NodeView``, ``RequestInfo``) is the
+core's ``mlxcel_plugin.balancer_api``; ``router_plugin.plugin`` registers them.
+"""
+
 from router_plugin.balancers.least_loaded import LeastLoadedBalancer
 from router_plugin.balancers.memory_aware import MemoryAwareBalancer
 from router_plugin.balancers.prompt_length_aware import PromptLengthAwareBalancer
 from router_plugin.balancers.round_robin import RoundRobinBalancer
 
-BUILTIN_BALANCERS: dict[str, BalancerFactory] = {
-    RoundRobinBalancer.name: RoundRobinBalancer,
-    LeastLoadedBalancer.name: LeastLoadedBalancer,
-    MemoryAwareBalancer.name: MemoryAwareBalancer,
-    PromptLengthAwareBalancer.name: PromptLengthAwareBalancer,
-}
-
 __all__ = [
-    "BUILTIN_BALANCERS",
-    "Balancer",
-    "BalancerFactory",
     "LeastLoadedBalancer",
     "MemoryAwareBalancer",
-    "NodeView",
     "PromptLengthAwareBalancer",
-    "RequestInfo",
     "RoundRobinBalancer",
 ]

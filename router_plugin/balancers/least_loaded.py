@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router_plugin.balancers.base import (
+from mlxcel_plugin.balancer_api import (
     NodeView,
     RequestInfo,
     choose_among_ties,
@@ -19,14 +19,8 @@ class LeastLoadedBalancer:
 
     name = "least-loaded"
 
-    def __init__(self, seed: int = 0):
-        self._rng = random.Random(seed)
+    def __init__(self, rng: random.Random | None = None):
+        self._rng = rng if rng is not None else random.Random()
 
-    def select(
-        self,
-        candidates: Sequence[NodeView],
-        request: RequestInfo,
-        rng: random.Random | None = None,
-    ) -> NodeView:
-        tied = least_loaded(healthy_nodes(candidates))
-        return choose_among_ties(tied, rng if rng is not None else self._rng)
+    def select(self, candidates: Sequence[NodeView], request: RequestInfo) -> NodeView:
+        return choose_among_ties(least_loaded(healthy_nodes(candidates)), self._rng)

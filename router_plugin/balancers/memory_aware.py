@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router_plugin.balancers.base import (
+from mlxcel_plugin.balancer_api import (
     NodeView,
     RequestInfo,
     choose_among_ties,
@@ -23,16 +23,11 @@ class MemoryAwareBalancer:
 
     name = "memory-aware"
 
-    def __init__(self, seed: int = 0):
-        self._rng = random.Random(seed)
+    def __init__(self, rng: random.Random | None = None):
+        self._rng = rng if rng is not None else random.Random()
 
-    def select(
-        self,
-        candidates: Sequence[NodeView],
-        request: RequestInfo,
-        rng: random.Random | None = None,
-    ) -> NodeView:
+    def select(self, candidates: Sequence[NodeView], request: RequestInfo) -> NodeView:
         healthy = healthy_nodes(candidates)
         most_free = max(node.free_kv_fraction for node in healthy)
         roomiest = [node for node in healthy if node.free_kv_fraction == most_free]
-        return choose_among_ties(least_loaded(roomiest), rng if rng is not None else self._rng)
+        return choose_among_ties(least_loaded(roomiest), self._rng)

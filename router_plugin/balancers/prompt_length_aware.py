@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router_plugin.balancers.base import NodeView, RequestInfo, healthy_nodes, least_loaded
+from mlxcel_plugin.balancer_api import NodeView, RequestInfo, healthy_nodes, least_loaded
 
 DEFAULT_LONG_PROMPT_TOKENS = 2048
 
@@ -25,22 +25,21 @@ DEFAULT_LONG_PROMPT_TOKENS = 2048
 class PromptLengthAwareBalancer:
     name = "prompt-length-aware"
 
-    def __init__(self, seed: int = 0, long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS):
+    def __init__(
+        self,
+        rng: random.Random | None = None,
+        long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS,
+    ):
         if long_prompt_tokens < 1:
             raise ValueError(f"long_prompt_tokens must be >= 1, got {long_prompt_tokens}")
-        self._rng = random.Random(seed)
+        self._rng = rng if rng is not None else random.Random()
         self.long_prompt_tokens = long_prompt_tokens
 
-    def select(
-        self,
-        candidates: Sequence[NodeView],
-        request: RequestInfo,
-        rng: random.Random | None = None,
-    ) -> NodeView:
+    def select(self, candidates: Sequence[NodeView], request: RequestInfo) -> NodeView:
         healthy = healthy_nodes(candidates)
         if request.prompt_tokens >= self.long_prompt_tokens:
             return _most_capable(least_loaded(healthy))
-        return _power_of_two(healthy, rng if rng is not None else self._rng)
+        return _power_of_two(healthy, self._rng)
 
 
 def _most_capable(nodes: Sequence[NodeView]) -> NodeView:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router_plugin.balancers.base import NodeView, RequestInfo, healthy_nodes, node_order_key
+from mlxcel_plugin.balancer_api import NodeView, RequestInfo, healthy_nodes, node_order_key
 
 
 class RoundRobinBalancer:
@@ -18,16 +18,11 @@ class RoundRobinBalancer:
 
     name = "round-robin"
 
-    def __init__(self, seed: int = 0):
-        # The rotation needs no randomness; ``seed`` is accepted for the factory contract.
+    def __init__(self, rng: random.Random | None = None):
+        # The rotation needs no randomness; ``rng`` is accepted for the factory contract.
         self._last_key: tuple[str, int, str] | None = None
 
-    def select(
-        self,
-        candidates: Sequence[NodeView],
-        request: RequestInfo,
-        rng: random.Random | None = None,
-    ) -> NodeView:
+    def select(self, candidates: Sequence[NodeView], request: RequestInfo) -> NodeView:
         healthy = healthy_nodes(candidates)
         chosen = healthy[0]
         if self._last_key is not None:

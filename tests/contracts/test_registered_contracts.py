@@ -1,4 +1,5 @@
-"""Every codec and transfer strategy the core registers passes the shared contracts."""
+"""Every codec and transfer strategy the core registers, and every installed balancer,
+passes the shared contracts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.plugins import load_plugins
+from mlxcel_plugin.testing.balancer_contract import CONTRACT_CHECKS
 from mlxcel_plugin.testing.codec_contract import CodecContract
 from mlxcel_plugin.testing.transfer_contract import TransferStrategyContract
 
@@ -25,3 +27,13 @@ class TestRegisteredStrategies(TransferStrategyContract):
     @pytest.fixture(params=REGISTRY.names("transfer_strategy"))
     def factory(self, request):
         return REGISTRY.get("transfer_strategy", request.param)
+
+
+# Balancers come from the router's plugin and any third-party one installed.
+INSTALLED = load_plugins()
+
+
+@pytest.mark.parametrize("name", INSTALLED.names("balancer"))
+@pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda check: check.__name__)
+def test_registered_balancers(name, check):
+    check(INSTALLED.get("balancer", name))

@@ -92,8 +92,8 @@ class _TokenWaiter:
 
 
 async def _decode_main(model: str) -> None:
+    from mlxcel_plugin.builtin_plugin import builtin_codecs
     from mlxcel_plugin.engine_api import layer_adopter
-    from mlxcel_plugin.kv_codecs import builtin_codecs
     from mlxcel_plugin.kv_serde import KVAssembler, ModelFingerprint
     from mlxcel_plugin.link.protocol.frames import FrameType
     from mlxcel_plugin.link.server import serve_links
@@ -172,7 +172,7 @@ async def _prefill_and_send(
     engine: Any, request: Any, case: dict[str, Any], lanes: list[Any]
 ) -> int:
     """Prefill with ``on_layer`` feeding the strategy; returns the first token."""
-    from mlxcel_plugin.kv_codecs import builtin_codecs
+    from mlxcel_plugin.builtin_plugin import builtin_codecs
     from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
     from mlxcel_plugin.transfer import (
         FullTransfer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.kv_codecs import (
     ChunkLayout,
     CodecError,
@@ -13,7 +14,6 @@ from mlxcel_plugin.kv_codecs import (
     IdentityCodec,
     Lz4Codec,
     UnknownCodec,
-    builtin_codecs,
     from_float32,
     resolve_codec,
     to_float32,

@@ -8,8 +8,9 @@ import zlib
 import numpy as np
 import pytest
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import CacheLayer, kv_buffer_maker, layer_adopter
-from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import (
     AdoptFailed,
     BufferPool,

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import CacheLayer, GenerationRequest, SamplingParams
 from mlxcel_plugin.errors import HandoffError, ProtocolError
-from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import (
     AckHeader,
     AssemblerLimits,

@@ -59,3 +59,28 @@ def test_disable_and_allow_lists():
     registry = load_plugins(env={"MLXCEL_PLUGINS": "mlx_engines"})
     assert registry.names("engine") == ["mlx"]
     assert registry.names("balancer") == []
+
+
+@pytest.mark.parametrize(
+    "entry_point, expected",
+    [
+        ("core", {
+            "transfer_strategy": ["full", "layer-parallel", "streamed"],
+            "kv_codec": ["int4", "int8", "lz4", "none", "shuffle", "shuffle+lz4"],
+            "role": ["decode", "prefill"],
+            "engine": ["fake"],
+            "balancer": [],
+        }),
+        ("router", {
+            "balancer": ["least-loaded", "memory-aware", "prompt-length-aware", "round-robin"],
+            "role": ["hybrid", "router"],
+            "transfer_strategy": [], "kv_codec": [], "engine": [],
+        }),
+        ("mlx_engines", {
+            "engine": ["mlx"], "balancer": [], "role": [], "transfer_strategy": [], "kv_codec": [],
+        }),
+    ],
+)  # fmt: skip
+def test_each_builtin_plugin_registers_its_kinds_through_the_hooks(entry_point, expected):
+    registry = load_plugins(env={"MLXCEL_PLUGINS": entry_point})
+    assert {kind: registry.names(kind) for kind in KINDS} == expected

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel_plugin.errors import ConfigError
-from mlxcel_plugin.kv_codecs import builtin_codecs
+from mlxcel_plugin.errors import ConfigError, PluginError
+from mlxcel_plugin.plugins import load_plugins
 from mlxcel_plugin.transfer import (
     AdaptiveSelector,
     BandwidthEstimator,
+    FullTransfer,
     SelectorTuning,
+    StreamedTransfer,
     TransferConfig,
 )
 
 MB = 1_000_000
-CODECS = builtin_codecs()
+REGISTRY = load_plugins(env={"MLXCEL_PLUGINS": "core"})
+STRATEGIES = REGISTRY.entries["transfer_strategy"]
+CODECS = REGISTRY.entries["kv_codec"]
 
 
 class FakeClock:
@@ -92,7 +96,7 @@ def test_estimator_forgets_stale_peers():
 
 
 def selector(**config) -> AdaptiveSelector:
-    return AdaptiveSelector(TransferConfig(**config), CODECS)
+    return AdaptiveSelector(TransferConfig(**config), STRATEGIES, CODECS)
 
 
 def test_small_payload_goes_full_in_one_message_set():
@@ -116,7 +120,7 @@ def test_several_links_and_a_long_wire_time_go_layer_parallel():
 
 def test_a_short_wire_time_does_not_use_extra_links():
     tuning = SelectorTuning(small_payload_bytes=1 * MB, parallel_min_s=0.05)
-    sel = AdaptiveSelector(TransferConfig(parallelism=4), CODECS, tuning)
+    sel = AdaptiveSelector(TransferConfig(parallelism=4), STRATEGIES, CODECS, tuning)
     assert sel.select(8 * MB, 400 * MB, lanes_available=4).strategy == "streamed"
 
 
@@ -130,10 +134,26 @@ def test_fast_link_sends_raw_and_slow_link_compresses():
 
 def test_lossy_codecs_only_when_allowed():
     tuning = SelectorTuning(auto_codecs=("none", "lz4", "int8", "int8+lz4"))
-    strict = AdaptiveSelector(TransferConfig(), CODECS, tuning).select(200 * MB, 10 * MB)
-    lossy = AdaptiveSelector(TransferConfig(allow_lossy=True), CODECS, tuning)
+    strict = AdaptiveSelector(TransferConfig(), STRATEGIES, CODECS, tuning)
+    strict = strict.select(200 * MB, 10 * MB)
+    lossy = AdaptiveSelector(TransferConfig(allow_lossy=True), STRATEGIES, CODECS, tuning)
     assert "int8" not in strict.estimated_s and strict.codec in ("none", "lz4")
     assert lossy.select(200 * MB, 10 * MB).codec in ("int8", "int8+lz4")
+
+
+def test_a_complete_cache_goes_whole_even_when_lanes_and_a_slow_wire_would_spread_it():
+    choice = selector(parallelism=4).select(200 * MB, 10 * MB, lanes_available=4,
+                                            can_stream=False)
+    assert (choice.strategy, choice.lanes, choice.reason) == (
+        "full", 1, f"cache already complete; codec {choice.codec} fastest by estimate")
+
+
+def test_a_configured_streaming_strategy_sends_a_complete_cache_whole():
+    for configured in ("streamed", "layer-parallel"):
+        choice = selector(strategy=configured, parallelism=2).select(
+            200 * MB, 400 * MB, lanes_available=2, can_stream=False)
+        assert (choice.strategy, choice.lanes) == ("full", 1)
+        assert choice.reason.startswith(f"cache already complete ({configured} streams)")
 
 
 def test_explicit_config_overrides_the_estimate():
@@ -167,7 +187,7 @@ def test_choice_is_deterministic_and_loggable():
 
 
 def test_a_measured_ratio_replaces_the_codec_profile():
-    selector = AdaptiveSelector(TransferConfig(), CODECS)
+    selector = AdaptiveSelector(TransferConfig(), STRATEGIES, CODECS)
     slow_link = 10 * MB
     assert selector.select(64 * MB, slow_link).codec == "shuffle+lz4"  # profile: 1.15x
     # What KV floats really give: nearly nothing, so the codec only costs CPU.
@@ -179,9 +199,70 @@ def test_a_measured_ratio_replaces_the_codec_profile():
 
 
 def test_measured_ratios_move_with_each_handoff_and_ignore_empty_ones():
-    selector = AdaptiveSelector(TransferConfig(), CODECS, SelectorTuning(ratio_weight=0.5))
+    tuning = SelectorTuning(ratio_weight=0.5)
+    selector = AdaptiveSelector(TransferConfig(), STRATEGIES, CODECS, tuning)
     selector.observe_ratio("lz4", 0, 10)  # nothing sent: no information
     assert selector.ratio(CODECS["lz4"]) == CODECS["lz4"].profile.ratio
     selector.observe_ratio("lz4", 200, 100)
     selector.observe_ratio("lz4", 100, 100)
     assert selector.ratio(CODECS["lz4"]) == pytest.approx(1.5)
+
+
+# -- the selector picks from the strategies it is given ------------------------------
+
+
+class BulkTransfer(FullTransfer):
+    name = "bulk"
+
+
+def scripted_strategy(options):  # declares no traits: never picked by "auto"
+    return FullTransfer(options)
+
+
+def test_strategies_are_picked_by_their_declared_traits_not_their_names():
+    strategies = {"bulk": BulkTransfer, "trickle": StreamedTransfer}
+    sel = AdaptiveSelector(TransferConfig(parallelism=4), strategies, CODECS)
+    assert sel.select(1 * MB, 400 * MB).strategy == "bulk"
+    # No lane-spreading strategy registered: extra links are not used.
+    wide = sel.select(200 * MB, 10 * MB, lanes_available=4)
+    assert (wide.strategy, wide.lanes) == ("trickle", 1)
+
+
+def test_without_a_streaming_strategy_a_large_live_prefill_still_goes_whole():
+    sel = AdaptiveSelector(TransferConfig(), {"full": FullTransfer}, CODECS)
+    choice = sel.select(200 * MB, 400 * MB)
+    assert (choice.strategy, choice.reason.split(";")[0]) == (
+        "full", "no streaming strategy registered")
+
+
+def test_of_two_strategies_of_one_kind_the_first_by_name_wins():
+    strategies = {**STRATEGIES, "a-bulk": BulkTransfer}
+    sel = AdaptiveSelector(TransferConfig(), strategies, CODECS)
+    assert sel.select(1 * MB, 400 * MB).strategy == "a-bulk"
+    assert sel.whole_cache_strategy == "a-bulk"
+
+
+def test_a_factory_without_traits_is_used_only_when_configured():
+    strategies = {**STRATEGIES, "aaa-scripted": scripted_strategy}
+    assert AdaptiveSelector(TransferConfig(), strategies, CODECS).select(
+        1 * MB, 400 * MB).strategy == "full"
+    configured = AdaptiveSelector(TransferConfig(strategy="aaa-scripted"), strategies, CODECS)
+    assert configured.select(1 * MB, 400 * MB).strategy == "aaa-scripted"
+    # Whether it needs a live prefill is unknown, so a complete cache goes whole.
+    assert configured.select(1 * MB, 400 * MB, can_stream=False).strategy == "full"
+
+
+def test_an_unknown_configured_strategy_fails_listing_the_registered_ones():
+    with pytest.raises(PluginError, match="registered: full, layer-parallel, streamed"):
+        AdaptiveSelector(TransferConfig(strategy="bulk"), STRATEGIES, CODECS)
+
+
+def test_a_registry_without_a_whole_cache_strategy_fails_at_construction():
+    with pytest.raises(PluginError, match="complete cache: streamed"):
+        AdaptiveSelector(TransferConfig(), {"streamed": StreamedTransfer}, CODECS)
+
+
+def test_the_builtin_strategies_declare_their_traits():
+    traits = {name: (f.overlaps_prefill, f.spreads_over_lanes) for name, f in STRATEGIES.items()}
+    assert traits == {"full": (False, False), "streamed": (True, False),
+                      "layer-parallel": (True, True)}

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.errors import PluginError
-from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import KVAssembler
 from mlxcel_plugin.plugins import load_plugins
 from mlxcel_plugin.testing.caches import (

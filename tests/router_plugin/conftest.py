@@ -1,4 +1,4 @@
-"""Fixtures for the front: SmolLM2's tokenizer (from the tiny checkpoint) and a fake engine."""
+"""Fixtures for the front: SmolLM2's tokenizer (from the tiny checkpoint) and a scripted engine."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from mlxcel_plugin.testing.fake_engine import FakeEngine, Script
 from mlxcel_plugin.text import TextTokenizer
-from tests.router_plugin.fake_engine import FakeEngine, Script
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,7 @@ def make_engine() -> Iterator[Callable[..., FakeEngine]]:
     engines: list[FakeEngine] = []
 
     def make(script: Script, **kwargs) -> FakeEngine:
-        engine = FakeEngine(script, **kwargs)
+        engine = FakeEngine.scripted(script, **kwargs)
         engine.start()
         engines.append(engine)
         return engine

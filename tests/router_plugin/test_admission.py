@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlxcel_plugin.balancer_api import NodeView
 from mlxcel_plugin.errors import AtCapacityError, ConfigError, ContextLengthError
 from router_plugin.admission import (
     ADMIT,
@@ -20,7 +21,6 @@ from router_plugin.admission import (
     pool_utilization,
     retry_after_header,
 )
-from router_plugin.balancers.base import NodeView
 
 CONFIG = BackpressureConfig(
     moderate_utilization=0.5,

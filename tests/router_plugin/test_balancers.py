@@ -1,19 +1,21 @@
-"""Exact-sequence tests for the built-in balancers, plus the shared contract."""
+"""Exact-sequence tests for the built-in balancers, and the contract's own checks."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pluggy
 import pytest
 
 from mlxcel_plugin import hookspecs
+from mlxcel_plugin.balancer_api import NodeView, RequestInfo
 from mlxcel_plugin.errors import NoHealthyNodeError
 from mlxcel_plugin.plugins import collect
 from mlxcel_plugin.testing.balancer_contract import (
-    CONTRACT_CHECKS,
     BalancerContractError,
+    check_deterministic_given_rng,
     run_contract,
 )
 from router_plugin import plugin as router_plugin_module
@@ -23,7 +25,6 @@ from router_plugin.balancers import (
     PromptLengthAwareBalancer,
     RoundRobinBalancer,
 )
-from router_plugin.balancers.base import NodeView, RequestInfo
 
 SHORT = RequestInfo("short", prompt_tokens=16)
 LONG = RequestInfo("long", prompt_tokens=4096)
@@ -37,11 +38,15 @@ def ids(nodes) -> list[str]:
     return [n.node_id for n in nodes]
 
 
-def registered_balancers() -> dict:
+def _router_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     pm.register(router_plugin_module)
-    return collect(pm).entries["balancer"]
+    return pm
+
+
+def registered_balancers() -> dict:
+    return collect(_router_plugin_manager()).entries["balancer"]
 
 
 # --- registration ---------------------------------------------------------------
@@ -55,26 +60,20 @@ def test_router_plugin_registers_the_four_balancers_by_name():
         "prompt-length-aware",
         "round-robin",
     ]
-    assert all(factories[name](0).name == name for name in factories)
+    assert all(factories[name](random.Random(0)).name == name for name in factories)
 
 
-# --- contract -------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(registered_balancers()))
-@pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda check: check.__name__)
-def test_every_registered_balancer_honours_the_contract(name, check):
-    check(registered_balancers()[name])
+# --- contract (tests/contracts runs it on every installed balancer) ----------------
 
 
 def test_contract_catches_a_balancer_that_picks_unhealthy_nodes():
     class PicksFirst:
         name = "picks-first"
 
-        def __init__(self, seed: int):
+        def __init__(self, rng: random.Random):
             pass
 
-        def select(self, candidates, request, rng=None):
+        def select(self, candidates, request):
             if not candidates:
                 raise NoHealthyNodeError("none")
             return candidates[0]
@@ -83,19 +82,55 @@ def test_contract_catches_a_balancer_that_picks_unhealthy_nodes():
         run_contract(PicksFirst)
 
 
+def test_contract_catches_a_balancer_that_draws_from_the_random_module():
+    class GlobalRandom:
+        name = "global-random"
+
+        def __init__(self, rng: random.Random):
+            pass
+
+        def select(self, candidates, request):
+            return random.choice([n for n in candidates if n.healthy])
+
+    with pytest.raises(BalancerContractError, match="same rng seed"):
+        check_deterministic_given_rng(GlobalRandom)
+
+
+@pytest.mark.parametrize(
+    "balancer_class",
+    [RoundRobinBalancer, LeastLoadedBalancer, MemoryAwareBalancer, PromptLengthAwareBalancer],
+)
+def test_a_balancer_built_without_an_rng_gets_its_own(balancer_class):
+    pool = [node(0), node(1), node(2, healthy=False)]
+    assert balancer_class().select(pool, SHORT).node_id in {"decode-0", "decode-1"}
+
+
+def test_the_router_gives_each_pool_an_rng_seeded_from_router_seed():
+    from router_plugin.roles import _balancers
+
+    registry = collect(_router_plugin_manager())
+    config = SimpleNamespace(prefill_balancer="least-loaded", decode_balancer="least-loaded")
+    by_role = _balancers(config, registry, seed=5)
+    pool = [node(0), node(1), node(2)]
+    for role, seed in (("prefill", 5), ("decode", 6)):
+        expected = LeastLoadedBalancer(random.Random(seed))
+        picks = [by_role[role].select(pool, SHORT).node_id for _ in range(8)]
+        assert picks == [expected.select(pool, SHORT).node_id for _ in range(8)]
+
+
 # --- round robin ----------------------------------------------------------------
 
 
 def test_round_robin_cycles_in_stable_id_order_regardless_of_input_order():
     pool = [node(2), node(0), node(10), node(1)]
-    balancer = RoundRobinBalancer(0)
+    balancer = RoundRobinBalancer(random.Random(0))
     picks = [balancer.select(pool, SHORT).node_id for _ in range(6)]
     assert picks == ["decode-0", "decode-1", "decode-2", "decode-10", "decode-0", "decode-1"]
 
 
 def test_round_robin_skips_unhealthy_and_keeps_its_place_when_membership_changes():
     pool = [node(0), node(1), node(2), node(3)]
-    balancer = RoundRobinBalancer(0)
+    balancer = RoundRobinBalancer(random.Random(0))
     picks = [balancer.select(pool, SHORT).node_id for _ in range(2)]
     pool[2] = node(2, healthy=False)
     picks += [balancer.select(pool, SHORT).node_id for _ in range(2)]
@@ -114,7 +149,7 @@ def test_round_robin_skips_unhealthy_and_keeps_its_place_when_membership_changes
 
 def test_round_robin_ignores_telemetry():
     pool = [node(0, queue_depth=50), node(1)]
-    balancer = RoundRobinBalancer(0)
+    balancer = RoundRobinBalancer(random.Random(0))
     assert [balancer.select(pool, SHORT).node_id for _ in range(3)] == [
         "decode-0",
         "decode-1",
@@ -131,20 +166,19 @@ def test_least_loaded_sums_queue_depth_active_sequences_and_router_in_flight():
         node(1, active_sequences=1, in_flight=1),  # 2
         node(2, queue_depth=1, in_flight=3),  # 4
     ]
-    assert LeastLoadedBalancer(0).select(pool, SHORT).node_id == "decode-1"
+    assert LeastLoadedBalancer(random.Random(0)).select(pool, SHORT).node_id == "decode-1"
 
 
 def test_least_loaded_breaks_ties_with_the_rng_exact_sequence():
     pool = [node(0), node(1), node(2)]
-    rng = random.Random(1)
-    balancer = LeastLoadedBalancer(0)
-    picks = [balancer.select(pool, SHORT, rng).node_id for _ in range(6)]
+    balancer = LeastLoadedBalancer(random.Random(1))
+    picks = [balancer.select(pool, SHORT).node_id for _ in range(6)]
     assert picks == ["decode-0", "decode-2", "decode-0", "decode-1", "decode-0", "decode-1"]
 
 
 def test_least_loaded_spreads_a_burst_as_the_router_counts_dispatches():
     pool = {n.node_id: n for n in (node(0), node(1, queue_depth=1), node(2))}
-    balancer = LeastLoadedBalancer(5)
+    balancer = LeastLoadedBalancer(random.Random(5))
     picks = []
     for _ in range(5):
         chosen = balancer.select(list(pool.values()), SHORT)
@@ -165,14 +199,14 @@ def test_memory_aware_picks_most_free_kv_then_least_loaded():
         node(2, free_kv_fraction=0.8, queue_depth=1),
         node(3, free_kv_fraction=0.9, healthy=False),
     ]
-    assert MemoryAwareBalancer(0).select(pool, SHORT).node_id == "decode-2"
+    assert MemoryAwareBalancer(random.Random(0)).select(pool, SHORT).node_id == "decode-2"
 
 
 def test_memory_aware_full_ties_use_the_seeded_rng_exact_sequence():
     pool = [node(0, free_kv_fraction=0.7), node(1, free_kv_fraction=0.7)]
-    balancer = MemoryAwareBalancer(3)
+    balancer = MemoryAwareBalancer(random.Random(3))
     picks = [balancer.select(pool, SHORT).node_id for _ in range(5)]
-    again = MemoryAwareBalancer(3)
+    again = MemoryAwareBalancer(random.Random(3))
     assert picks == [again.select(pool, SHORT).node_id for _ in range(5)]
     assert picks == ["decode-0", "decode-0", "decode-1", "decode-1", "decode-0"]
 
@@ -186,12 +220,12 @@ def test_prompt_length_aware_sends_long_prompts_to_least_loaded_then_most_capabl
         node(1, active_sequences=1, tokens_per_s=40.0),
         node(2, in_flight=1, tokens_per_s=90.0),
     ]
-    assert PromptLengthAwareBalancer(0).select(pool, LONG).node_id == "decode-2"
+    assert PromptLengthAwareBalancer(random.Random(0)).select(pool, LONG).node_id == "decode-2"
 
 
 def test_prompt_length_aware_threshold_is_inclusive():
     pool = [node(0, queue_depth=1), node(1)]
-    balancer = PromptLengthAwareBalancer(0, long_prompt_tokens=100)
+    balancer = PromptLengthAwareBalancer(random.Random(0), long_prompt_tokens=100)
     at_threshold = RequestInfo("r", prompt_tokens=100)
     assert [balancer.select(pool, at_threshold).node_id for _ in range(3)] == ["decode-1"] * 3
 
@@ -199,15 +233,14 @@ def test_prompt_length_aware_threshold_is_inclusive():
 def test_prompt_length_aware_spreads_short_prompts_with_two_choices_exact_sequence():
     # loads: 4, 1, 0, 2; Random(1) draws index pairs (1,2) (0,1) (0,1) (3,1) (3,0) (0,1).
     pool = [node(0, queue_depth=4), node(1, queue_depth=1), node(2), node(3, active_sequences=2)]
-    rng = random.Random(1)
-    balancer = PromptLengthAwareBalancer(0)
-    picks = [balancer.select(pool, SHORT, rng).node_id for _ in range(6)]
+    balancer = PromptLengthAwareBalancer(random.Random(1))
+    picks = [balancer.select(pool, SHORT).node_id for _ in range(6)]
     assert picks == ["decode-2", "decode-1", "decode-1", "decode-1", "decode-3", "decode-1"]
 
 
 def test_prompt_length_aware_rejects_a_nonsense_threshold():
     with pytest.raises(ValueError):
-        PromptLengthAwareBalancer(0, long_prompt_tokens=0)
+        PromptLengthAwareBalancer(random.Random(0), long_prompt_tokens=0)
 
 
 @pytest.mark.parametrize(
@@ -216,6 +249,6 @@ def test_prompt_length_aware_rejects_a_nonsense_threshold():
 )
 def test_no_healthy_node_is_an_at_capacity_error_with_retry_after(balancer_class):
     with pytest.raises(NoHealthyNodeError) as info:
-        balancer_class(0).select([node(0, healthy=False)], SHORT)
+        balancer_class(random.Random(0)).select([node(0, healthy=False)], SHORT)
     assert info.value.status_code == 503
     assert info.value.retry_after_s > 0

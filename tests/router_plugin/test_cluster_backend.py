@@ -13,6 +13,7 @@ import pytest
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import AtCapacityError, NoHealthyNodeError
 from mlxcel_plugin.link import Backoff
+from mlxcel_plugin.testing.fake_engine import FakeEngine
 from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
 from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
@@ -23,7 +24,6 @@ from router_plugin.health import HealthConfig, HealthMonitor
 from router_plugin.node_pool import NodeHealth, NodePool
 from router_plugin.peer_links import PeerLinks, make_dialer
 from router_plugin.stats import RouterStats
-from tests.router_plugin.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Backoff(initial_s=0.02, max_s=0.2)
@@ -347,7 +347,8 @@ def test_router_bodies_match_a_single_node(text_tokenizer) -> None:
         c = await cluster(1, 1)
         c.prefills[0].script = script
         routed = await bodies(make_app(c.backend, text_tokenizer, "m"))
-        engine = FakeEngine(lambda req: list(reply), eos_token_ids=text_tokenizer.eos_token_ids)
+        engine = FakeEngine.scripted(lambda req: list(reply),
+                                     eos_token_ids=text_tokenizer.eos_token_ids)
         engine.start()
         try:
             single = await bodies(make_app(LocalEngineBackend(engine), text_tokenizer, "m"))

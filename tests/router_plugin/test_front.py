@@ -12,10 +12,10 @@ import pytest
 
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import AtCapacityError
+from mlxcel_plugin.testing.fake_engine import FakeEngine
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.backend import LocalEngineBackend
 from router_plugin.front import make_app
-from tests.router_plugin.fake_engine import FakeEngine
 
 MODEL = "tiny"
 EOS = 2
@@ -93,6 +93,7 @@ async def test_chat_non_streaming(client_for, text_tokenizer) -> None:
         "prompt_tokens": n_prompt,
         "completion_tokens": n_completion,
         "total_tokens": n_prompt + n_completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     request = engine.requests[-1]
     assert len(request.prompt_tokens) == n_prompt and request.stop_token_ids == (EOS,)

@@ -14,7 +14,7 @@ from mlxcel_example_plugin.zlib_codec import ZlibCodec
 
 @hookimpl
 def mlxcel_register_balancers(register: Register) -> None:
-    # The factory is the class itself: ``PowerOfTwoBalancer(seed)``.
+    # The factory is the class itself: ``PowerOfTwoBalancer(rng)``.
     register(PowerOfTwoBalancer.name, PowerOfTwoBalancer)
 
 

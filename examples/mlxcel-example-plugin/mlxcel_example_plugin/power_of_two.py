@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router_plugin.balancers.base import NodeView, RequestInfo, healthy_nodes
+from mlxcel_plugin.balancer_api import NodeView, RequestInfo, healthy_nodes
 
 
 class PowerOfTwoBalancer:
@@ -20,19 +20,15 @@ class PowerOfTwoBalancer:
 
     name = "power-of-two"
 
-    def __init__(self, seed: int = 0):
-        self._rng = random.Random(seed)
+    def __init__(self, rng: random.Random | None = None):
+        # Every draw comes from this RNG: the router seeds it, so a seed gives the same picks.
+        self._rng = rng if rng is not None else random.Random()
 
-    def select(
-        self,
-        candidates: Sequence[NodeView],
-        request: RequestInfo,
-        rng: random.Random | None = None,
-    ) -> NodeView:
+    def select(self, candidates: Sequence[NodeView], request: RequestInfo) -> NodeView:
         # healthy_nodes sorts by id, so a seed gives the same picks whatever the input order.
         healthy = healthy_nodes(candidates)
         if len(healthy) == 1:
             return healthy[0]
-        first, second = (rng if rng is not None else self._rng).sample(healthy, 2)
+        first, second = self._rng.sample(healthy, 2)
         # On a tie keep the first draw: it is already random, so ties spread too.
         return second if second.load < first.load else first

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mlxcel_plugin.kv_codecs import CorruptChunk, builtin_codecs, resolve_codec
+from mlxcel_plugin.builtin_plugin import builtin_codecs
+from mlxcel_plugin.kv_codecs import CorruptChunk, resolve_codec
 from mlxcel_plugin.testing.codec_contract import CodecContract
 
 from mlxcel_example_plugin import ZlibCodec

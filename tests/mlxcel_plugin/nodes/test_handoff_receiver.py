@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel_plugin.kv_codecs import builtin_codecs, resolve_codec
+from mlxcel_plugin.builtin_plugin import builtin_codecs
+from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import SerializableCacheState
 from mlxcel_plugin.link.protocol.frames import BodyParts, FrameType
 from mlxcel_plugin.nodes import kv_wire

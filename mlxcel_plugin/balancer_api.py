@@ -1,11 +1,16 @@
-"""What every balancer sees and provides.
+"""The contract between the router and a balancer (built-in or third-party).
 
 A balancer is one small object: a ``name`` (its registered config value) and
-``select(candidates, request, rng)`` returning one of the candidates. It is
-pure and synchronous: no I/O, no logging, no clock; the caller logs and counts.
-Plugins register ``factory(seed: int) -> Balancer`` through
-``mlxcel_register_balancers``; the seed feeds the balancer's own RNG, used when
-``select`` is called without an explicit ``rng``.
+``select(candidates, request)`` returning one of the candidates. It is pure
+and synchronous: no I/O, no logging, no clock; the caller logs and counts.
+
+Its only source of randomness is the ``random.Random`` it is built with:
+plugins register ``factory(rng: random.Random) -> Balancer`` through
+``mlxcel_register_balancers``, and the router passes one seeded RNG per pool
+(``[router] seed``), so a seed gives the same picks every run.
+
+The helpers below (``healthy_nodes``, ``choose_among_ties``, ...) are what the
+built-in balancers are made of; a plugin may use them too.
 """
 
 from __future__ import annotations
@@ -56,17 +61,13 @@ class RequestInfo:
 class Balancer(Protocol):
     name: str
 
-    def select(
-        self,
-        candidates: Sequence[NodeView],
-        request: RequestInfo,
-        rng: random.Random | None = None,
-    ) -> NodeView:
+    def select(self, candidates: Sequence[NodeView], request: RequestInfo) -> NodeView:
         """Pick one healthy candidate; raise ``NoHealthyNodeError`` if there is none."""
         ...
 
 
-BalancerFactory = Callable[[int], Balancer]
+# ``factory(rng)``: every random draw the balancer makes comes from ``rng``.
+BalancerFactory = Callable[[random.Random], Balancer]
 
 _TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
 

@@ -1,33 +1,17 @@
-"""Built-in codecs and name resolution (``int8+lz4`` composes registered codecs)."""
+"""Codec name resolution: a registered name as-is, or ``int8+lz4`` composed of registered ones.
+
+The codecs themselves are registered through ``mlxcel_register_kv_codecs``
+(the core's are in ``mlxcel_plugin.builtin_plugin``); this module keeps no list.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mlxcel_plugin.kv_codecs.base import CodecError, CodecProfile, KVCodec, UnknownCodec
+from mlxcel_plugin.kv_codecs.base import CodecError, KVCodec, UnknownCodec
 from mlxcel_plugin.kv_codecs.chain import MAX_STAGES, ChainCodec
-from mlxcel_plugin.kv_codecs.lossless import IdentityCodec, Lz4Codec, ShuffleCodec
-from mlxcel_plugin.kv_codecs.quant import GroupQuantCodec
 
 MAX_CODEC_NAME = 128
-
-
-# loadtests/bench_kv_codecs.py, 2 x86 cores: ratio 1.0 (noise fp16) .. 1.3 (smooth fp16)
-# .. 2.0 (smooth bf16), encode 0.6-1.4 GB/s, decode 0.5-0.9 GB/s. Shuffle alone shrinks nothing.
-SHUFFLE_LZ4_PROFILE = CodecProfile(ratio=1.15, encode_bytes_per_s=800e6, decode_bytes_per_s=600e6)
-
-
-def builtin_codecs() -> dict[str, KVCodec]:
-    shuffle, lz4 = ShuffleCodec(), Lz4Codec()
-    codecs: list[KVCodec] = [
-        IdentityCodec(),
-        lz4,
-        shuffle,
-        ChainCodec([shuffle, lz4], SHUFFLE_LZ4_PROFILE),
-        GroupQuantCodec(8),
-        GroupQuantCodec(4),
-    ]
-    return {codec.name: codec for codec in codecs}
 
 
 def resolve_codec(name: object, registered: Mapping[str, KVCodec]) -> KVCodec:
