@@ -9,6 +9,7 @@ every sequence in the batch. Callbacks run on the engine thread.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import queue
 import threading
@@ -62,7 +63,6 @@ from mlxcel_plugin.errors import (
 )
 
 log = logging.getLogger(__name__)
-
 
 
 class MlxEngine:
@@ -141,15 +141,8 @@ class MlxEngine:
         self._commands.put(Cancel(request_id))
 
     def stats(self) -> EngineStats:
-        snapshot = self._stats
-        return EngineStats(
-            queued=snapshot.queued + self._commands.qsize(),
-            active_sequences=snapshot.active_sequences,
-            kv_bytes=snapshot.kv_bytes,
-            free_kv_fraction=snapshot.free_kv_fraction,
-            tokens_per_s=snapshot.tokens_per_s,
-            prefix_cache=snapshot.prefix_cache,
-        )
+        snapshot = self._stats  # the engine thread's, plus commands not yet taken
+        return dataclasses.replace(snapshot, queued=snapshot.queued + self._commands.qsize())
 
     def _submit(self, command: Any) -> None:
         if self._closed:
@@ -252,7 +245,11 @@ class MlxEngine:
         if reason is not None:
             deliver(command.emit, TokenEvent(request.request_id, 1, None, reason))
             return
-        self._waiting.append((sequence, kv_convert.from_cache_state(command.cache)))
+        caches = kv_convert.from_cache_state(command.cache)
+        # A prefill node computed these chunks: the next turn may prefill here (local).
+        self._prefix.store_prompt(prompt, caches)
+        self._fit_prefix_cache()
+        self._waiting.append((sequence, caches))
 
     def _admit_waiting(self) -> None:
         room = self.config.max_batch_size - len(self._batch)

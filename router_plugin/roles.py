@@ -21,6 +21,7 @@ from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.link import require_cluster_secret
 from mlxcel_plugin.plugins import PluginRegistry
+from mlxcel_plugin.prefix_cache_metrics import register_prefix_cache
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
@@ -65,12 +66,14 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
     tokenizer = TextTokenizer.from_dir(model_dir)
     engine = registry.get("engine", config.engine)(model_dir, config.engine_config)
     # The context comes from the checkpoint's config (like the router's), so both modes agree.
-    return make_app(
+    app = make_app(
         LocalEngineBackend(engine),
         tokenizer,
         served_model_name(config),
         lifespan=_engine_lifespan(engine),
     )
+    register_prefix_cache(app.state.front.metrics.registry, lambda: engine.stats().prefix_cache)
+    return app
 
 
 def run_hybrid(config: Any, registry: PluginRegistry) -> None:

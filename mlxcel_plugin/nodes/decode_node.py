@@ -6,6 +6,11 @@ and acked; a sequence goes to ``engine.decode`` only once its KV is complete,
 claimed, and the ``DecodeScheduler`` admits it (memory, max_sequences). Each
 token goes to the owner as RESULT ``seq = index`` (1, 2, ...). KV is freed on
 completion, cancel, error, timeout, and when the owning router link closes.
+
+A REQUEST without ``claim`` is a *local* request: the router found this node
+holding most of the prompt in its prefix cache, so the node prefills the rest
+itself (``engine.generate``) and sends every token from ``seq = 0``; no
+prefill node is involved (docs/prefix-cache.md).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 from mlxcel_plugin.engine_api import (
     FINISH_ERROR,
     Engine,
+    GenerationRequest,
     TokenEvent,
     kv_buffer_maker,
     layer_adopter,
@@ -97,6 +103,7 @@ class DecodeNode:
                                         adopt=layer_adopter(self.engine),
                                         make_buffers=kv_buffer_maker(self.engine))
         self.claims: dict[str, _Claim] = {}
+        self.local: dict[str, tuple[_Claim, GenerationRequest]] = {}  # waiting for admission
         self.ready: dict[str, _Ready] = {}
         self.live: dict[str, _Live] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
@@ -148,6 +155,7 @@ class DecodeNode:
         if is_router:
             owned = [rid for rid, c in self.claims.items() if c.owner is outbox]
             owned += [rid for rid, live in self.live.items() if live.owner is outbox]
+            owned += [rid for rid, (c, _) in self.local.items() if c.owner is outbox]
             for request_id in owned:
                 self.cancel(request_id, "router link closed")
         else:
@@ -181,17 +189,28 @@ class DecodeNode:
     # -- claims ------------------------------------------------------------------------
 
     def _on_claim(self, outbox: Outbox, frame: Request) -> None:
-        if not frame.claim:
-            raise FrameError("a decode node takes claims only (REQUEST with claim=True)",
-                             code="claim_required")
-        generation_request(frame)  # validates the fields a router controls
-        if frame.request_id in self.live:
+        request = generation_request(frame)  # validates the fields a router controls
+        if frame.request_id in self.live or frame.request_id in self.local:
             raise MlxcelError(f"request {frame.request_id} is already decoding",
                               code="duplicate_request")
+        if not frame.claim:
+            self._on_local_request(outbox, request)
+            return
         # A renewed claim (re-routed prefill) replaces the old one; the id lives again.
         self._ended.pop(frame.request_id, None)
         self.claims[frame.request_id] = _Claim(outbox)
         self._start_if_ready(frame.request_id)
+
+    def _on_local_request(self, outbox: Outbox, request: GenerationRequest) -> None:
+        """Prefill here (the prompt is mostly cached) and decode; admitted like a handoff."""
+        fp = self.fingerprint
+        kv_bytes = fp.num_layers * 2 * fp.tensor_bytes(
+            len(request.prompt_tokens) + request.max_tokens)
+        self._ended.pop(request.request_id, None)
+        self.scheduler.offer(request.request_id, UNCLAIMED, kv_bytes)
+        self.local[request.request_id] = (_Claim(outbox), request)
+        self.scheduler.on_kv_complete(request.request_id)
+        self._admit()
 
     # -- ingestion ---------------------------------------------------------------------
 
@@ -252,6 +271,11 @@ class DecodeNode:
         if self._tokens is None:
             self._tokens = EngineMailbox(asyncio.get_running_loop(), self._on_token)
         for request_id in self.scheduler.admit():
+            if request_id in self.local:
+                claim, request = self.local.pop(request_id)
+                self.live[request_id] = _Live(claim.owner)
+                self.engine.generate(request, self._tokens.put)
+                continue
             completed = self.ready.pop(request_id).completed
             claim = self.claims.pop(request_id)
             self.live[request_id] = _Live(claim.owner)
@@ -292,6 +316,7 @@ class DecodeNode:
 
     def _end(self, request_id: str) -> None:
         self.live.pop(request_id, None)
+        self.local.pop(request_id, None)
         self.ready.pop(request_id, None)
         self.claims.pop(request_id, None)
         self.scheduler.complete(request_id, "ended")
@@ -343,5 +368,5 @@ class DecodeNode:
                                    ingest.reply, error))
 
     async def close(self) -> None:
-        for request_id in [*self.live, *self.claims]:
+        for request_id in [*self.live, *self.claims, *self.local]:
             self.cancel(request_id, "node shutting down")

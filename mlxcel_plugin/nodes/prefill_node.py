@@ -40,6 +40,7 @@ from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
+from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler, PrefillSchedulerConfig
 from mlxcel_plugin.transfer import (
     AdaptiveSelector,
@@ -106,6 +107,7 @@ class PrefillNode:
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
         self.jobs: dict[str, _Job] = {}
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
+        register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
         self._peer_cycle = itertools.cycle(parts.decode_peers) if parts.decode_peers else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._engine_events: EngineMailbox[tuple[_Job, int | None, Any]] | None = None
@@ -125,7 +127,8 @@ class PrefillNode:
         stats = self.scheduler.stats()
         elapsed = max(time.monotonic() - self._since_s, 1e-9)
         return Telemetry(self.node_id, "prefill", stats.queued, stats.running + stats.handing_off,
-                         1.0 - self.kv_used_fraction(), self._prompt_tokens / elapsed)
+                         1.0 - self.kv_used_fraction(), self._prompt_tokens / elapsed,
+                         *prefix_telemetry(self.engine.stats().prefix_cache))
 
     def health(self) -> dict[str, Any]:
         stats = self.scheduler.stats()
@@ -133,6 +136,7 @@ class PrefillNode:
                 "queued": stats.queued, "running": stats.running,
                 "handing_off": stats.handing_off, "jobs": len(self.jobs),
                 "kv_bytes": self.held_kv_bytes(), "engine_kv_bytes": self.engine.stats().kv_bytes,
+                "prefix_cache_bytes": self.engine.stats().prefix_cache.cached_bytes,
                 "transfer": {"last_choice": self.last_choice,
                              "bandwidth_bytes_per_s": self.bandwidth.snapshot()}}
 
@@ -250,7 +254,8 @@ class PrefillNode:
             self._finish(job, ErrorFrame(code, str(result), job.request_id), "engine_error")
             return
         self._prompt_tokens += len(job.request.prompt_tokens)
-        first = Result(job.request_id, 0, [result.first_token], result.finish_reason, 1)
+        first = Result(job.request_id, 0, [result.first_token], result.finish_reason, 1,
+                       cached_tokens=result.cached_tokens)
         if result.finish_reason is not None:
             self._abort_handoff(job, "first token ended the request")
             self._finish(job, first, "finished_at_first_token")

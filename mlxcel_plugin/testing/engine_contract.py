@@ -375,4 +375,7 @@ class EngineContract:
         log.wait()
         idle = wait_idle(engine)
         check_stats(idle)
-        assert idle.free_kv_fraction == pytest.approx(1.0)
+        if idle.prefix_cache.cached_bytes == 0:  # else the cache's prompts take some room
+            assert idle.free_kv_fraction == pytest.approx(1.0)
+        else:
+            assert idle.free_kv_fraction < 1.0

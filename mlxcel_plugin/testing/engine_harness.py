@@ -158,11 +158,12 @@ def prefill(engine: Engine, request: GenerationRequest) -> tuple[PrefillResult, 
 
 
 def wait_idle(engine: Engine, timeout_s: float = WAIT_S) -> EngineStats:
-    """Wait until the engine holds nothing: no queue, no sequence, no KV."""
+    """Wait until the engine holds nothing: no queue, no sequence, no KV but its prefix cache."""
 
     def idle() -> bool:
         stats = engine.stats()
-        return stats.queued == 0 and stats.active_sequences == 0 and stats.kv_bytes == 0
+        requests_kv = stats.kv_bytes - stats.prefix_cache.cached_bytes
+        return stats.queued == 0 and stats.active_sequences == 0 and requests_kv == 0
 
     wait_until(idle, timeout_s)
     return engine.stats()
@@ -259,3 +260,5 @@ def check_stats(stats: EngineStats) -> None:
         assert isinstance(value, int) and value >= 0, f"{name}={value!r}"
     assert 0.0 <= stats.free_kv_fraction <= 1.0, stats
     assert stats.tokens_per_s >= 0.0, stats
+    # A prefix cache counts inside the KV an engine reports.
+    assert 0 <= stats.prefix_cache.cached_bytes <= stats.kv_bytes, stats

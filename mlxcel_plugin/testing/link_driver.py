@@ -180,6 +180,17 @@ class LinkDriver:
                                       decode_target)
         return await self.wait(collector, timeout_s)
 
+    async def generate_local(self, request_id: str, prompt: Sequence[int], max_tokens: int,
+                             sampling: dict[str, Any] | None = None,
+                             timeout_s: float = 60.0) -> Outcome:
+        """A REQUEST without claim to the decode node: it prefills (from its cache) and decodes."""
+        collector = self.expect(request_id)
+        request = Request(request_id, list(prompt), dict(sampling or {}), max_tokens)
+        await self.decode.send(request.to_frame())
+        await asyncio.wait_for(collector.done.wait(), timeout_s)
+        self._collectors.pop(request_id, None)
+        return collector.outcome
+
     async def cancel(self, request_id: str) -> None:
         frame = Cancel(request_id, "client went away").to_frame()
         await self.prefill.send(frame)

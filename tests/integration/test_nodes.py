@@ -155,6 +155,8 @@ def expected(tiny_model_path) -> dict[str, list[int]]:
                      "sampling": {"temperature": 0.9, "top_p": 0.9, "seed": 1234}})
     requests += [{"request_id": f"mix{i}", "prompt": prompt_of(1 + 97 * i, i), "max_tokens": 5}
                  for i in range(16)]
+    requests += [{"request_id": "turn1", "prompt": TURN1, "max_tokens": 4},
+                 {"request_id": "turn2", "prompt": TURN2, "max_tokens": 6}]
     return reference(tiny_model_path, requests)
 
 
@@ -188,6 +190,35 @@ def test_seeded_sampling_matches_hybrid(mlx_nodes, expected):
             return await link_driver.generate("seeded", prompt_of(300, 1), 12, sampling)
 
     assert run(go()).tokens == expected["seeded"]
+
+
+TURN1 = prompt_of(1100, 5)
+TURN2 = TURN1 + prompt_of(90, 6)  # the next turn: two full 512-token chunks are cached
+
+
+def test_the_decode_node_prefills_a_mostly_cached_prompt_itself(mlx_nodes, expected):
+    prefill, decode = mlx_nodes["prefills"][("full", "none")], mlx_nodes["decode"]
+
+    async def go():
+        async with driver(mlx_nodes["nodes"], prefill, decode) as link_driver:
+            first = await link_driver.generate("turn1", TURN1, 4)  # handed off: D keeps it
+            hits_before = prefix_hits(decode)
+            second = await link_driver.generate_local("turn2", TURN2, 6)
+            cold = await link_driver.generate_local("cold257", prompt_of(257), 6)
+            return first, second, cold, hits_before
+
+    first, second, cold, hits_before = run(go())
+    assert first.tokens == expected["turn1"]
+    assert second.ok and second.tokens == expected["turn2"]  # exact, no prefill node
+    assert prefix_hits(decode) - hits_before >= 1024
+    assert cold.tokens == expected["len257"]  # nothing cached: it just prefills
+
+
+def prefix_hits(node: NodeProcess) -> float:
+    for line in metrics(node).splitlines():
+        if line.startswith("mlxcel:prefix_cache_hit_tokens_total "):
+            return float(line.split()[-1])
+    raise AssertionError("no prefix cache counter on /metrics")
 
 
 def test_sixteen_concurrent_requests_and_memory_returns_to_baseline(mlx_nodes, expected):
