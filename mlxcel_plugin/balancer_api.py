@@ -41,6 +41,10 @@ class NodeView:
     free_kv_fraction: float = 1.0
     tokens_per_s: float = 0.0
     telemetry_age_s: float | None = None  # None: no fresh report
+    # Prompt tokens of this request the router believes the node holds in its prefix
+    # cache (the router's prefix index; 0 when unknown). Only a guess: a node lacking
+    # them prefills them.
+    cached_prefix_tokens: int = 0
 
     @property
     def load(self) -> int:

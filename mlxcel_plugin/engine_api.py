@@ -158,6 +158,9 @@ class PrefixCacheConfig:
     max_bytes: int = 1024**3
     # Also reuse what decode computed (the reply): faster turns, not byte-identical.
     reuse_generated: bool = False
+    # Router: a decode node believed to hold all but at most this many prompt tokens
+    # prefills them itself, without a prefill node (0: always use a prefill node).
+    local_prefill_tokens: int = 256
 
 
 @dataclass(frozen=True)

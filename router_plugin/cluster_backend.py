@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from mlxcel_plugin.errors import NoHealthyNodeError
 from router_plugin.admission import ADMIT, REJECT, AdmissionController, pool_utilization
 from router_plugin.health import HealthMonitor
 from router_plugin.peer_links import PeerLink, PeerLinks
+from router_plugin.prefix_index import DEFAULT_BLOCK_TOKENS
 from router_plugin.routed_request import RoutedRequest, RoutingContext
 from router_plugin.stats import RouterStats
 from router_plugin.stream_bridge import DECODE, PREFILL
@@ -37,6 +38,8 @@ class RouterConfig:
 
     seed: int = 0  # feeds the balancers' RNGs
     max_placements: int = 3  # first placement + re-routes, per request
+    # The prefix index's block: the nodes' prefill chunk ([engine] chunk_size_tokens).
+    prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> RouterConfig:
@@ -47,6 +50,7 @@ class ClusterBackend:
     def __init__(self, peers: PeerLinks, health: HealthMonitor,
                  balancers: Mapping[str, Balancer], admission: AdmissionController,
                  stats: RouterStats, *, config: RouterConfig = RouterConfig(),
+                 local_prefill_tokens: int = 0,
                  clock: Callable[[], float] = time.monotonic):
         self.peers, self.pool, self.health = peers, peers.pool, health
         self.balancers, self.admission, self.stats = balancers, admission, stats
@@ -55,7 +59,8 @@ class ClusterBackend:
         # All a routed request sees of the router: it never calls back into the backend.
         self.routing = RoutingContext(select=self.select, pool=self.pool, stats=stats,
                                       on_load_change=self.on_load_change,
-                                      max_placements=config.max_placements)
+                                      max_placements=config.max_placements,
+                                      local_prefill_tokens=local_prefill_tokens)
         peers.set_on_change(self.on_load_change)
 
     # ------------------------------------------------------------ TokenBackend
@@ -125,16 +130,22 @@ class ClusterBackend:
 
     # ------------------------------------------------------------ selection
 
-    async def select(self, role: str, info: RequestInfo, excluded: Collection[str]) -> PeerLink:
-        """A healthy node of ``role``; re-probes unreachable ones once before giving up."""
+    async def select(self, role: str, info: RequestInfo, excluded: Collection[str],
+                     blocks: Sequence[int] = ()) -> PeerLink:
+        """A healthy node of ``role``; re-probes unreachable ones once before giving up.
+
+        ``blocks``: the prompt's prefix keys, so balancers see what each node holds.
+        """
         try:
-            return self._select(role, info, excluded)
+            return self._select(role, info, excluded, blocks)
         except NoHealthyNodeError:
             if not set(self.pool.probe_candidates(role)) - set(excluded):
                 raise
         await self.health.reprobe(role)
-        return self._select(role, info, excluded)
+        return self._select(role, info, excluded, blocks)
 
-    def _select(self, role: str, info: RequestInfo, excluded: Collection[str]) -> PeerLink:
-        views = [v for v in self.pool.views(role, self.clock()) if v.node_id not in excluded]
+    def _select(self, role: str, info: RequestInfo, excluded: Collection[str],
+                blocks: Sequence[int]) -> PeerLink:
+        views = [v for v in self.pool.views(role, self.clock(), blocks)
+                 if v.node_id not in excluded]
         return self.peers[self.balancers[role].select(views, info).node_id]

@@ -1,4 +1,4 @@
-"""The router's peer registry: stable ids, health, live telemetry, counters.
+"""The router's peer registry: stable ids, health, live telemetry, counters, prefixes.
 
 Pure bookkeeping: the health monitor and the links call in with ``now`` and
 what happened; selection reads ``views``. Nothing here opens a connection.
@@ -6,12 +6,13 @@ what happened; selection reads ``views``. Nothing here opens a connection.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from mlxcel_plugin.balancer_api import NodeView
+from router_plugin.prefix_index import PrefixIndex
 
 ROLES = ("prefill", "decode")
 REDACTED = "<redacted>"
@@ -66,8 +67,11 @@ def stats_verbose_from_env(env: Mapping[str, str]) -> bool:
 class NodePool:
     """Prefill and decode peers, each with an id like ``prefill-0`` that never changes."""
 
-    def __init__(self, *, stale_telemetry_s: float = DEFAULT_STALE_TELEMETRY_S):
+    def __init__(self, *, stale_telemetry_s: float = DEFAULT_STALE_TELEMETRY_S,
+                 prefixes: PrefixIndex | None = None):
         self.stale_telemetry_s = stale_telemetry_s
+        # Which prompt prefixes each node probably holds (fed by the routed requests).
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex()
         self._nodes: dict[str, _Node] = {}
         self._next_index = {role: 0 for role in ROLES}
 
@@ -95,6 +99,7 @@ class NodePool:
 
     def remove(self, node_id: str) -> None:
         del self._nodes[node_id]
+        self.prefixes.forget(node_id)
 
     def ids(self, role: str | None = None) -> list[str]:
         return [n.node_id for n in self._nodes.values() if role is None or n.role == role]
@@ -123,8 +128,9 @@ class NodePool:
         node.consecutive_failures += 1
         node.total_failures += 1
         node.last_error = error
-        # What it reported before it vanished says nothing about it now.
+        # What it reported before it vanished says nothing about it now, nor what it held.
         node.telemetry, node.telemetry_at_s = NodeTelemetry(), None
+        self.prefixes.forget(node_id)
         return self._set_health(node, NodeHealth.UNREACHABLE, now)
 
     def mark_healthy(self, node_id: str, now: float) -> bool:
@@ -167,8 +173,13 @@ class NodePool:
 
     # --- reading -------------------------------------------------------------
 
-    def views(self, role: str, now: float) -> list[NodeView]:
-        return [self._view(n, now) for n in self._by_role(role)]
+    def views(self, role: str, now: float, blocks: Sequence[int] = ()) -> list[NodeView]:
+        """Every node of ``role``; ``blocks``: a prompt's keys, to fill ``cached_prefix_tokens``."""
+        views = [self._view(n, now) for n in self._by_role(role)]
+        if not blocks:
+            return views
+        return [replace(v, cached_prefix_tokens=self.prefixes.cached_tokens(v.node_id, blocks))
+                for v in views]
 
     def _fresh_telemetry(self, node: _Node, now: float) -> tuple[NodeTelemetry, float | None]:
         if node.telemetry_at_s is None:
@@ -212,6 +223,7 @@ class NodePool:
             "dispatched": node.dispatched,
             "consecutive_failures": node.consecutive_failures,
             "total_failures": node.total_failures,
+            "prefix_blocks": self.prefixes.blocks_held(node.node_id),  # the router's guess
             "telemetry": None if age_s is None else {**asdict(telemetry), "age_s": age_s},
         }
         if verbose:

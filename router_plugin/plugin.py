@@ -10,6 +10,7 @@ from mlxcel_plugin.hookspecs import Register, hookimpl
 from router_plugin.balancers import (
     LeastLoadedBalancer,
     MemoryAwareBalancer,
+    PrefixAwareBalancer,
     PromptLengthAwareBalancer,
     RoundRobinBalancer,
 )
@@ -19,6 +20,7 @@ BALANCERS = (
     LeastLoadedBalancer,
     MemoryAwareBalancer,
     PromptLengthAwareBalancer,
+    PrefixAwareBalancer,
 )
 
 

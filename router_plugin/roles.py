@@ -31,6 +31,7 @@ from router_plugin.front import make_app
 from router_plugin.health import HealthConfig, HealthMonitor
 from router_plugin.node_pool import NodePool
 from router_plugin.peer_links import PeerLinks, make_dialer
+from router_plugin.prefix_index import PrefixIndex
 from router_plugin.stats import RouterCollector, RouterStats, make_stats_route
 from router_plugin.stream_bridge import DECODE, PREFILL
 
@@ -103,12 +104,15 @@ def make_cluster_backend(config: Any, registry: PluginRegistry,
     backpressure = dataclass_from_mapping(
         BackpressureConfig, config.section("backpressure"), "[backpressure]"
     )
-    pool = NodePool.from_peers(config.prefill_peers, config.decode_peers)
+    pool = NodePool.from_peers(config.prefill_peers, config.decode_peers,
+                               prefixes=PrefixIndex(router_config.prefix_block_tokens))
     peers = PeerLinks(pool, make_dialer(secret, config.effective_node_id))
     health = HealthMonitor(peers, HealthConfig.from_section(config.section("health")))
+    local_prefill_tokens = config.engine_config.prefix_cache.local_prefill_tokens
     return ClusterBackend(
         peers, health, _balancers(config, registry, router_config.seed),
         AdmissionController(backpressure), RouterStats(), config=router_config,
+        local_prefill_tokens=local_prefill_tokens,
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from mlxcel_plugin.balancer_api import RequestInfo
@@ -52,8 +52,8 @@ CLIENT_ERRORS: dict[str, type[InvalidRequestError]] = {
     "prompt_too_long": ContextLengthError,
 }
 
-# (role, request, excluded node ids) -> a healthy node of that role
-SelectNode = Callable[[str, RequestInfo, Collection[str]], Awaitable[PeerLink]]
+# (role, request, excluded node ids, prompt prefix keys) -> a healthy node of that role
+SelectNode = Callable[[str, RequestInfo, Collection[str], Sequence[int]], Awaitable[PeerLink]]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class RoutingContext:
     stats: RouterStats
     on_load_change: Callable[[], None]  # a dispatch changed the load: admission may act
     max_placements: int  # first placement + re-routes
+    # A decode node believed to hold all but this many prompt tokens prefills them itself.
+    local_prefill_tokens: int = 0
 
 
 @dataclass
@@ -73,14 +75,16 @@ class Placement:
 
     attempt: int
     wire_id: str
-    prefill: PeerLink
+    prefill: PeerLink | None  # None: the decode node prefills itself (a local request)
     decode: PeerLink
     # "done": that side holds nothing more for this attempt (finished, failed or gone).
     prefill_done: bool = False
     decode_done: bool = False
 
-    def side(self, source: str) -> PeerLink:
-        return self.prefill if source == PREFILL else self.decode
+    def sides(self) -> list[tuple[PeerLink, bool]]:
+        """(node, done) for each node serving this attempt."""
+        both = [(self.prefill, self.prefill_done), (self.decode, self.decode_done)]
+        return [(peer, done) for peer, done in both if peer is not None]
 
 
 def wire_id(request_id: str, attempt: int) -> str:
@@ -94,12 +98,13 @@ class RoutedRequest:
     def __init__(self, context: RoutingContext, request: GenerationRequest):
         self.context = context
         self.request = request
+        self.blocks = context.pool.prefixes.blocks(request.prompt_tokens)  # prefix index keys
         self.bridge = StreamBridge()
         self.inbox: asyncio.Queue[tuple[int, PeerEvent]] = asyncio.Queue()
         self.placement: Placement | None = None
         self.excluded: set[str] = set()  # nodes that failed this request before a token
         self.index = 0  # completion index of the next token
-        self.cached_tokens = 0  # prompt tokens the prefill node had cached (its first Result)
+        self.cached_tokens = 0  # prompt tokens a node had cached (from its first Result)
         self.refused = False  # answered 503: no node could take it
         context.stats.requests.total += 1
         context.stats.active_prefills += 1
@@ -125,18 +130,34 @@ class RoutedRequest:
     async def _place(self) -> None:
         info = RequestInfo(self.request.request_id, len(self.request.prompt_tokens),
                            self.request.max_tokens)
-        prefill = await self.context.select(PREFILL, info, self.excluded)
-        decode = await self.context.select(DECODE, info, self.excluded)
+        select, excluded = self.context.select, self.excluded
+        decode = await select(DECODE, info, excluded, self.blocks)
+        prefill = None
+        if not self._local_on(decode):
+            prefill = await select(PREFILL, info, excluded, self.blocks)
         attempt = self.bridge.attempt
-        placement = Placement(attempt, wire_id(self.request.request_id, attempt), prefill, decode)
+        placement = Placement(attempt, wire_id(self.request.request_id, attempt), prefill, decode,
+                              prefill_done=prefill is None)
         self.placement = placement
-        for peer in (prefill, decode):
+        for peer, _ in placement.sides():
             peer.register(placement.wire_id, self._sink(attempt))
             self.context.pool.on_dispatch(peer.node_id)
+            self.context.pool.prefixes.record(peer.node_id, self.blocks)  # it will hold them
         self.context.on_load_change()
+        if prefill is None:
+            self.context.stats.requests.local_prefills += 1
+            await self._send(placement, decode, self._request_frame(placement))
+            return
         # REQUEST first: prefill is on the first token's path; D holds a KV that beats the claim.
         await self._send(placement, prefill, self._request_frame(placement))
         await self._send(placement, decode, self._claim_frame(placement))
+
+    def _local_on(self, decode: PeerLink) -> bool:
+        """Does ``decode`` hold all but a few prompt tokens (so it may prefill them itself)?"""
+        limit = self.context.local_prefill_tokens
+        cached = self.context.pool.prefixes.cached_tokens(decode.node_id, self.blocks)
+        missing = len(self.request.prompt_tokens) - cached
+        return limit > 0 and cached > 0 and missing <= limit
 
     def _sink(self, attempt: int) -> Callable[[PeerEvent], None]:
         inbox = self.inbox
@@ -157,9 +178,10 @@ class RoutedRequest:
 
     def _request_frame(self, placement: Placement) -> Request:
         r = self.request
+        # To the prefill node with where to hand off; or to the decode node itself (local).
+        target = placement.decode.address if placement.prefill is not None else None
         return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
-                       r.max_tokens, list(r.stop_token_ids),
-                       decode_target=placement.decode.address)
+                       r.max_tokens, list(r.stop_token_ids), decode_target=target)
 
     # ------------------------------------------------------------ events
 
@@ -171,7 +193,7 @@ class RoutedRequest:
             self._side_done(event.source)
             return await self._on_failure(event)
         result = event.result
-        if event.source == PREFILL and result.seq == 0:
+        if result.seq == 0:
             self.cached_tokens = result.cached_tokens  # reported with the first token
         if result.finish_reason is not None:
             self._side_done(event.source)
@@ -250,8 +272,7 @@ class RoutedRequest:
         self._count_outcome()
 
     async def _release(self, placement: Placement, reason: str) -> None:
-        for source, done in ((PREFILL, placement.prefill_done), (DECODE, placement.decode_done)):
-            peer = placement.side(source)
+        for peer, done in placement.sides():
             peer.unregister(placement.wire_id)
             self.context.pool.on_finish(peer.node_id)
             if not done:

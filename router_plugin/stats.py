@@ -27,6 +27,7 @@ class RequestCounters:
     failed: int = 0  # ended with an error event, or could not be placed
     closed_early: int = 0  # the front ended it first: client gone, stop string
     rerouted: int = 0  # placement attempts after the first
+    local_prefills: int = 0  # placed on a decode node alone: it held most of the prompt
     rejected: int = 0  # refused with 503 (admission, no healthy node, queue timeout)
     queued: int = 0  # ever waited in the admission queue
 

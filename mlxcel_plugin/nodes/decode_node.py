@@ -293,7 +293,7 @@ class DecodeNode:
         live.last_token_s = now
         tokens = [] if event.token_id is None else [event.token_id]
         result = Result(event.request_id, event.index, tokens, event.finish_reason,
-                        event.index + len(tokens), event.error)
+                        event.index + len(tokens), event.error, event.cached_tokens)
         live.owner.put_result(result)
         if event.finish_reason is not None:
             self.metrics.finished.labels(event.finish_reason).inc()

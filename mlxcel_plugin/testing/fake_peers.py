@@ -112,18 +112,31 @@ class FakeDecode(FakeNode):
     claims: dict[str, _Claim] = field(default_factory=dict)
     claimed: list[str] = field(default_factory=list)
     streams: dict[str, asyncio.Task] = field(default_factory=dict)
+    local: list[str] = field(default_factory=list)  # requests it prefilled itself
 
     def active(self) -> int:
         return len(self.claims)
 
+    def _start_local(self, claim: _Claim) -> None:
+        self.streams[claim.request.request_id] = asyncio.create_task(self._local(claim))
+
+    async def _local(self, claim: _Claim) -> None:
+        request = claim.request
+        tokens = echo_script(request.prompt_token_ids)
+        ends = request.max_tokens == 1
+        await claim.link.send(Result(request.request_id, 0, tokens[:1],
+                                     "length" if ends else None, 1).to_frame())
+        if not ends:
+            await self._stream(claim, tokens[1:])
+
     async def on_frame(self, link: Link, frame) -> None:
         if frame.type is FrameType.REQUEST:
             request = Request.from_frame(frame)
-            if not request.claim:
-                await link.send(ErrorFrame("bad_request", "decode takes claims only",
-                                           request.request_id).to_frame())
-                return
             self.claims[request.request_id] = _Claim(link, request)
+            if not request.claim:  # a local request: prefill here too, stream from seq 0
+                self.local.append(request.request_id)
+                self._start_local(self.claims[request.request_id])
+                return
             self.claimed.append(request.request_id)
         elif frame.type is FrameType.CANCEL:
             request_id = Cancel.from_frame(frame).request_id

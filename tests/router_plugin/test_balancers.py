@@ -22,6 +22,7 @@ from router_plugin import plugin as router_plugin_module
 from router_plugin.balancers import (
     LeastLoadedBalancer,
     MemoryAwareBalancer,
+    PrefixAwareBalancer,
     PromptLengthAwareBalancer,
     RoundRobinBalancer,
 )
@@ -52,11 +53,12 @@ def registered_balancers() -> dict:
 # --- registration ---------------------------------------------------------------
 
 
-def test_router_plugin_registers_the_four_balancers_by_name():
+def test_router_plugin_registers_the_five_balancers_by_name():
     factories = registered_balancers()
     assert sorted(factories) == [
         "least-loaded",
         "memory-aware",
+        "prefix-aware",
         "prompt-length-aware",
         "round-robin",
     ]
@@ -98,7 +100,8 @@ def test_contract_catches_a_balancer_that_draws_from_the_random_module():
 
 @pytest.mark.parametrize(
     "balancer_class",
-    [RoundRobinBalancer, LeastLoadedBalancer, MemoryAwareBalancer, PromptLengthAwareBalancer],
+    [RoundRobinBalancer, LeastLoadedBalancer, MemoryAwareBalancer, PromptLengthAwareBalancer,
+     PrefixAwareBalancer],
 )
 def test_a_balancer_built_without_an_rng_gets_its_own(balancer_class):
     pool = [node(0), node(1), node(2, healthy=False)]
@@ -252,3 +255,41 @@ def test_no_healthy_node_is_an_at_capacity_error_with_retry_after(balancer_class
         balancer_class(random.Random(0)).select([node(0, healthy=False)], SHORT)
     assert info.value.status_code == 503
     assert info.value.retry_after_s > 0
+
+
+# --- prefix-aware ------------------------------------------------------------------
+
+
+def test_prefix_aware_follows_the_longest_cached_prefix():
+    pool = [node(0, cached_prefix_tokens=512), node(1, cached_prefix_tokens=1536), node(2)]
+    assert PrefixAwareBalancer(random.Random(0)).select(pool, LONG).node_id == "decode-1"
+
+
+def test_prefix_aware_prefers_the_least_loaded_holder_of_a_shared_prefix():
+    pool = [node(0, cached_prefix_tokens=1024, in_flight=3),
+            node(1, cached_prefix_tokens=1024, in_flight=1), node(2, in_flight=0)]
+    assert PrefixAwareBalancer(random.Random(0)).select(pool, LONG).node_id == "decode-1"
+
+
+def test_prefix_aware_skips_a_holder_far_busier_than_the_idlest():
+    # 5 more requests than the idlest node: not "near" it, though the pool is balanced
+    # (15 is not more than 1.5 x 10).
+    pool = [node(0, cached_prefix_tokens=2048, in_flight=15), node(1, in_flight=10),
+            node(2, cached_prefix_tokens=512, in_flight=11)]
+    assert PrefixAwareBalancer(random.Random(0)).select(pool, LONG).node_id == "decode-2"
+
+
+def test_prefix_aware_falls_back_to_least_loaded_when_the_pool_is_imbalanced():
+    pool = [node(0, cached_prefix_tokens=2048, in_flight=1), node(1, in_flight=9),
+            node(2, in_flight=0)]
+    # 9 - 0 > 4 and 9 > 1.5 * 0: imbalanced, so the idlest wins over the cached prefix.
+    assert PrefixAwareBalancer(random.Random(0)).select(pool, LONG).node_id == "decode-2"
+
+
+def test_prefix_aware_without_any_cached_prefix_is_least_loaded_with_seeded_ties():
+    pool = [node(0), node(1), node(2, in_flight=1)]
+    balancer = PrefixAwareBalancer(random.Random(7))
+    sequence = [balancer.select(pool, SHORT).node_id for _ in range(8)]
+    assert set(sequence) == {"decode-0", "decode-1"}  # never the busier one; both tied
+    again = PrefixAwareBalancer(random.Random(7))
+    assert [again.select(pool, SHORT).node_id for _ in range(8)] == sequence

@@ -105,6 +105,7 @@ def test_stats_redact_addresses_and_errors_unless_verbose():
         "dispatched": 0,
         "consecutive_failures": 1,
         "total_failures": 1,
+        "prefix_blocks": 0,
         "telemetry": None,
     }
     assert stats["prefill"][1]["health_age_s"] is None

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Collection, Sequence
 
 import pytest
 
@@ -32,7 +33,8 @@ class Router:
         self.load_changes = 0
         self.stats = RouterStats()
 
-    async def select(self, role: str, info: RequestInfo, excluded: Collection[str]) -> PeerLink:
+    async def select(self, role: str, info: RequestInfo, excluded: Collection[str],
+                     blocks: Sequence[int] = ()) -> PeerLink:
         # The first node of the role not excluded, in id order: no balancer involved.
         self.selections.append((role, info.request_id, set(excluded)))
         node_id = next(n for n in sorted(self.peers.peers) if n.startswith(role)
@@ -87,7 +89,8 @@ def test_places_through_the_context_and_counts_into_its_stats() -> None:
         r = await router()
         events = await run_request(RoutedRequest(r.context(), request()))
         assert [e.token_id for e in events] == echo_script((5, 6, 7))
-        assert r.selections == [("prefill", "r1", set()), ("decode", "r1", set())]
+        # The decode node first: whether it holds the prompt decides if a prefill node is needed.
+        assert r.selections == [("decode", "r1", set()), ("prefill", "r1", set())]
         assert r.load_changes == 1  # once, right after both dispatches
         assert (r.stats.requests.total, r.stats.requests.completed) == (1, 1)
         assert r.stats.active_prefills == 0 and r.stats.active_decodes == 0
@@ -104,8 +107,8 @@ def test_reroute_excludes_the_failed_node_up_to_the_contexts_limit() -> None:
         r.prefills[0].drop_link_on_request = True
         events = await run_request(RoutedRequest(r.context(max_placements=2), request()))
         assert [e.token_id for e in events] == echo_script((5, 6, 7))
-        assert r.selections[2:] == [("prefill", "r1", {"prefill-0"}),
-                                    ("decode", "r1", {"prefill-0"})]
+        assert r.selections[2:] == [("decode", "r1", {"prefill-0"}),
+                                    ("prefill", "r1", {"prefill-0"})]
         assert r.stats.requests.rerouted == 1
         assert r.prefills[1].requests[0].request_id == "r1~1"
         await r.close()
@@ -119,3 +122,45 @@ def test_reroute_excludes_the_failed_node_up_to_the_contexts_limit() -> None:
         await r.close()
 
     run(main())
+
+
+def test_a_decode_node_holding_the_prompt_serves_it_alone() -> None:
+    async def main():
+        r = await router()
+        prompt = tuple(range(100, 1400))  # two full 512-token blocks, then 276 more
+        req = GenerationRequest("local", prompt, 50, stop_token_ids=(EOS,))
+        pool = r.peers.pool
+        pool.prefixes.record("decode-0", pool.prefixes.blocks(prompt))  # e.g. its last turn
+        context = dataclasses.replace(r.context(), local_prefill_tokens=300)
+        events = await run_request(RoutedRequest(context, req))
+        assert [e.token_id for e in events] == echo_script(prompt)
+        assert r.selections == [("decode", "local", set())]  # no prefill node chosen
+        assert r.decode.local == ["local"] and not any(p.requests for p in r.prefills)
+        assert r.stats.requests.local_prefills == 1
+        # Missing more than the limit: a prefill node does it, as always.
+        narrow = dataclasses.replace(context, local_prefill_tokens=200)
+        events = await run_request(RoutedRequest(narrow, replace_id(req, "remote")))
+        assert [e.token_id for e in events] == echo_script(prompt)
+        assert [p.requests[0].request_id for p in r.prefills if p.requests] == ["remote"]
+        await r.close()
+
+    run(main())
+
+
+def test_placing_a_request_records_its_prefix_on_both_nodes() -> None:
+    async def main():
+        r = await router()
+        prompt = tuple(range(100, 1200))
+        await run_request(RoutedRequest(r.context(), GenerationRequest("p", prompt, 5)))
+        prefixes = r.peers.pool.prefixes
+        blocks = prefixes.blocks(prompt)
+        assert prefixes.cached_tokens("prefill-0", blocks) == 1024
+        assert prefixes.cached_tokens("decode-0", blocks) == 1024
+        assert prefixes.cached_tokens("prefill-1", blocks) == 0
+        await r.close()
+
+    run(main())
+
+
+def replace_id(request: GenerationRequest, request_id: str) -> GenerationRequest:
+    return dataclasses.replace(request, request_id=request_id)

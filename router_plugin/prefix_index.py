@@ -1,0 +1,76 @@
+"""Which prompt prefixes each node probably holds, as the router saw it place them.
+
+An approximate, router-side index (SGLang's cache-aware router keeps one per
+worker the same way), not a replica of the nodes' caches: nodes publish no
+per-block events, so the router records the prompts it sends and forgets a
+node when its link drops (a restarted node starts empty). A wrong guess costs
+only speed: a node that lacks a prefix prefills it (docs/prefix-cache.md).
+
+Keys are chained hashes of whole blocks of ``block_tokens`` tokens, aligned to
+position 0 like the nodes' prefill chunks: block i's key covers tokens
+``[0, (i + 1) * block_tokens)``, so equal keys mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+DEFAULT_BLOCK_TOKENS = 512  # the nodes' default prefill chunk
+DEFAULT_MAX_BLOCKS_PER_NODE = 1 << 16
+
+
+def prompt_blocks(tokens: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+    """Chained keys of the prompt's whole blocks a node keeps: the last token stays out.
+
+    A node caches the full prefill chunks of a prompt of ``T`` tokens, that is
+    ``(T - 1) // block_tokens`` blocks (the last token is computed on its own).
+    """
+    keys, key = [], 0
+    for end in range(block_tokens, len(tokens), block_tokens):
+        key = hash((key, tuple(tokens[end - block_tokens : end])))
+        keys.append(key)
+    return tuple(keys)
+
+
+class PrefixIndex:
+    """Per node, an LRU of block keys it was sent; pure, no clock."""
+
+    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 max_blocks_per_node: int = DEFAULT_MAX_BLOCKS_PER_NODE):
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.max_blocks_per_node = max_blocks_per_node
+        self._nodes: dict[str, OrderedDict[int, None]] = {}
+
+    def blocks(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        return prompt_blocks(tokens, self.block_tokens)
+
+    def record(self, node_id: str, blocks: Sequence[int]) -> None:
+        """The node was sent a prompt with these blocks: it holds them once it prefills."""
+        held = self._nodes.setdefault(node_id, OrderedDict())
+        for key in blocks:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.max_blocks_per_node:
+            held.popitem(last=False)
+
+    def cached_tokens(self, node_id: str, blocks: Sequence[int]) -> int:
+        """Tokens of the longest prefix of ``blocks`` the node is believed to hold."""
+        held = self._nodes.get(node_id)
+        if not held:
+            return 0
+        matched = 0
+        for key in blocks:
+            if key not in held:
+                break
+            matched += 1
+        return matched * self.block_tokens
+
+    def forget(self, node_id: str) -> None:
+        """The node may have restarted (its link dropped): assume it holds nothing."""
+        self._nodes.pop(node_id, None)
+
+    def blocks_held(self, node_id: str) -> int:
+        return len(self._nodes.get(node_id, ()))
