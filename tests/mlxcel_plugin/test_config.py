@@ -2,6 +2,7 @@ import pytest
 
 from mlxcel_plugin.config import ServerConfig, build_config, parse_host_port, split_addresses
 from mlxcel_plugin.errors import ConfigError
+from tests.conftest import REPO
 
 
 def write_toml(tmp_path, text):
@@ -122,3 +123,13 @@ def test_prefix_cache_rejects_bad_values(tmp_path):
         build_config({"distributed_config": write_toml(tmp_path, "[prefix_cache]\nsize = 1\n")})
     with pytest.raises(ConfigError, match="max_bytes"):
         build_config({}, env={"MLXCEL_PREFIX_CACHE_BYTES": "lots"})
+
+
+def test_the_shipped_prefix_cache_example_loads_as_documented():
+    config = build_config({"distributed_config": str(REPO / "examples" / "prefix-cache.toml")},
+                          env={})
+    prefix = config.engine_config.prefix_cache
+    assert (prefix.max_bytes, prefix.reuse_generated, prefix.local_prefill_tokens) == (
+        1024**3, False, 256)
+    assert (config.prefill_balancer, config.decode_balancer) == ("prefix-aware", "prefix-aware")
+    assert config.section("router") == {"prefix_block_tokens": 512}
