@@ -42,6 +42,6 @@ def register_prefix_cache(registry: CollectorRegistry,
     registry.register(PrefixCacheCollector(read))
 
 
-def prefix_telemetry(stats: PrefixCacheStats) -> tuple[int, int, int]:
-    """The prefix fields of a node's ``Telemetry`` frame: hit tokens, looked-up tokens, bytes."""
-    return stats.hit_tokens, stats.lookup_tokens, stats.cached_bytes
+def prefix_telemetry(stats: PrefixCacheStats) -> tuple[int, int, int, int]:
+    """The prefix fields of a node's ``Telemetry`` frame: hits, lookups, bytes, evictions."""
+    return stats.hit_tokens, stats.lookup_tokens, stats.cached_bytes, stats.evictions

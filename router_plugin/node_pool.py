@@ -38,6 +38,7 @@ class NodeTelemetry:
     prefix_hit_tokens: int = 0
     prefix_lookup_tokens: int = 0
     prefix_cached_bytes: int = 0
+    prefix_evictions: int = 0
 
 
 @dataclass

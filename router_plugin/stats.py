@@ -100,9 +100,24 @@ class RouterCollector(Collector):
                                          "Requests dispatched per node.", labels=["node"])
         healthy = GaugeMetricFamily("mlxcel:router_node_healthy", "1 when the node is healthy.",
                                     labels=["node"])
+        prefix = {name: GaugeMetricFamily(f"mlxcel:router_node_{name}", doc, labels=["node"])
+                  for name, doc in _NODE_PREFIX_GAUGES.items()}
         for entries in self._pool.stats(self._clock()).values():
             for entry in entries:
                 dispatched.add_metric([entry["id"]], entry["dispatched"])
                 healthy.add_metric([entry["id"]], float(entry["health"] == NodeHealth.HEALTHY))
+                telemetry = entry["telemetry"] or {}
+                for name, family in prefix.items():
+                    family.add_metric([entry["id"]], telemetry.get(name, 0))
         yield dispatched
         yield healthy
+        yield from prefix.values()
+
+
+# A node's prefix cache as its last telemetry reported it (running totals, or bytes now).
+_NODE_PREFIX_GAUGES = {
+    "prefix_hit_tokens": "Prompt tokens the node served from its prefix cache (its total).",
+    "prefix_lookup_tokens": "Prompt tokens the node looked up in its prefix cache (its total).",
+    "prefix_cached_bytes": "KV bytes held by the node's prefix cache.",
+    "prefix_evictions": "Prefix cache entries the node evicted (its total).",
+}

@@ -117,6 +117,7 @@ def test_stats_redact_addresses_and_errors_unless_verbose():
         "prefix_hit_tokens": 0,
         "prefix_lookup_tokens": 0,
         "prefix_cached_bytes": 0,
+        "prefix_evictions": 0,
         "age_s": 1.0,
     }
     verbose = pool.stats(now=4.0, verbose=True)

@@ -193,10 +193,11 @@ class Telemetry:
     prefix_hit_tokens: int = 0
     prefix_lookup_tokens: int = 0
     prefix_cached_bytes: int = 0
+    prefix_evictions: int = 0
 
     TYPE: ClassVar[FrameType] = FrameType.TELEMETRY
     _PREFIX_FIELDS: ClassVar[tuple[str, ...]] = (
-        "prefix_hit_tokens", "prefix_lookup_tokens", "prefix_cached_bytes",
+        "prefix_hit_tokens", "prefix_lookup_tokens", "prefix_cached_bytes", "prefix_evictions",
     )
 
     def to_frame(self) -> Frame:
