@@ -128,6 +128,17 @@ def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
     return {"title": title, "columns": list(columns), "rows": [list(row) for row in rows]}
 
 
+def format_table(result_table: dict[str, Any]) -> str:
+    """A ``table()`` as aligned plain text (title, header, rows) for a benchmark's printout."""
+    columns = [str(column) for column in result_table["columns"]]
+    rows = [[str(cell) for cell in row] for row in result_table["rows"]]
+    widths = [max(len(line[i]) for line in [columns, *rows]) for i in range(len(columns))]
+    lines = [result_table["title"]]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
+              for line in [columns, *rows]]  # fmt: skip
+    return "\n".join(lines)
+
+
 def bench_result(
     name: str,
     tables: Sequence[dict[str, Any]] = (),
@@ -186,6 +197,15 @@ class StreamResult:
     completion_tokens: int = 0
     prompt_tokens: int | None = None
     finish_reason: str | None = None
+    text: str = ""  # the streamed content, joined (what a chat client appends to its history)
+    usage: dict[str, Any] | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field) if the server sent it."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return int(cached) if cached is not None else None
 
     @property
     def itl_s(self) -> list[float]:
@@ -214,6 +234,13 @@ def _chunk_text(choice: dict[str, Any]) -> str:
     return text or ("<tool>" if delta.get("tool_calls") else "")
 
 
+def _reply_text(choice: dict[str, Any]) -> str:
+    """The answer's own text in a chunk (no reasoning, no tool-call marker)."""
+    if "text" in choice:
+        return choice.get("text") or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
 @dataclass
 class StreamRecorder:
     """Sans-I/O: feed SSE lines with their arrival time, then ``finish()``."""
@@ -226,6 +253,7 @@ class StreamRecorder:
     done: bool = False
     error: str | None = None
     content_chunks: int = 0
+    text_parts: list[str] = field(default_factory=list)
 
     def feed(self, line: str, now_s: float) -> None:
         if self.error or not line or line.startswith(":"):
@@ -260,6 +288,7 @@ class StreamRecorder:
             if _chunk_text(choice):
                 self.token_times_s.append(now_s)
                 self.content_chunks += 1
+            self.text_parts.append(_reply_text(choice))
             if choice.get("finish_reason") and self.finish_reason is None:
                 self.finish_reason = choice["finish_reason"]
                 self.first_finish_s = now_s
@@ -278,6 +307,8 @@ class StreamRecorder:
             completion_tokens=int(usage.get("completion_tokens") or self.content_chunks),
             prompt_tokens=usage.get("prompt_tokens"),
             finish_reason=self.finish_reason,
+            text="".join(self.text_parts),
+            usage=self.usage,
         )
 
     def _completeness_error(self) -> str | None:
@@ -407,21 +438,52 @@ def goodput(run: LoadRun, slo_ttft_s: float, slo_tpot_s: float) -> float:
 # --------------------------------------------------------------- servers
 
 
-def start_hybrid(model: str, workdir: Path, timeout_s: float = 180.0) -> NodeProcess:
-    """One hybrid node on a free loopback port, healthy or raising with its log tail."""
+def start_hybrid(
+    model: str, workdir: Path, timeout_s: float = 180.0, extra_args: Sequence[str] = ()
+) -> NodeProcess:
+    """One hybrid node on a free loopback port, healthy or raising with its log tail.
+
+    ``extra_args``: more CLI flags, e.g. ``["--prefix-cache-bytes", "0"]``.
+    """
     from mlxcel_plugin.local_cluster import start_node
 
     workdir.mkdir(parents=True, exist_ok=True)
-    node = start_node("hybrid", workdir, ["--model", model, "--host", LOOPBACK])
+    argv = ["--model", model, "--host", LOOPBACK, *extra_args]
+    node = start_node("hybrid", workdir, argv)
     _wait_or_stop(node, timeout_s)
     return node
 
 
-def start_cluster(model: str, workdir: Path, timeout_s: float = 300.0) -> LocalCluster:
-    """Router + one prefill + one decode node (LocalCluster stops them if one fails)."""
+def start_cluster(
+    model: str, workdir: Path, timeout_s: float = 300.0, extra_args: Sequence[str] = ()
+) -> LocalCluster:
+    """Router + one prefill + one decode node (LocalCluster stops them if one fails).
+
+    ``extra_args``: more CLI flags for every node of the cluster, the router included.
+    """
     from mlxcel_plugin.local_cluster import LocalCluster
 
-    return LocalCluster(workdir=workdir, model=model).start(timeout_s)
+    cluster = LocalCluster(workdir=workdir, model=model, common_args=list(extra_args))
+    return cluster.start(timeout_s)
+
+
+def write_toml_config(path: Path, sections: dict[str, dict[str, Any]]) -> list[str]:
+    """Write ``--distributed-config`` TOML (flat sections of str/int/float/bool); its flags."""
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return ["--distributed-config", str(path)]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
 def start_mlx_lm_server(model: str, workdir: Path, timeout_s: float = 180.0) -> NodeProcess:
@@ -448,3 +510,46 @@ def _wait_or_stop(node: NodeProcess, timeout_s: float) -> None:
     except BaseException:
         node.stop()
         raise
+
+
+# --------------------------------------------------------------- Prometheus
+
+
+def prometheus_value(exposition: str, name: str) -> float | None:
+    """Sum of every sample called ``name`` (any labels) in Prometheus text; None if absent."""
+    values = [_sample_value(line[len(name) :]) for line in exposition.splitlines()
+              if line.startswith(name)]  # fmt: skip
+    found = [value for value in values if value is not None]
+    return sum(found) if found else None
+
+
+def _sample_value(rest: str) -> float | None:
+    """The value of a sample line after its name: ``{labels} value [ts]`` or `` value [ts]``."""
+    if rest.startswith("{"):
+        rest = rest[rest.rfind("}") + 1 :]
+    elif not rest.startswith(" "):
+        return None  # a longer name sharing the prefix (foo_sum vs foo)
+    fields = rest.split()
+    try:
+        return float(fields[0]) if fields else None
+    except ValueError:
+        return None
+
+
+def scrape_metrics(client: httpx.Client, urls: Iterable[str], names: Iterable[str]) -> dict:
+    """``{name: sum over urls, or None}`` from each URL's ``/metrics`` (unreachable: absent)."""
+    import httpx
+
+    texts = []
+    for url in urls:
+        try:
+            response = client.get(f"{url}/metrics")
+        except httpx.HTTPError:
+            continue
+        if response.status_code == 200:
+            texts.append(response.text)
+    result: dict[str, float | None] = {}
+    for name in names:
+        values = [v for v in (prometheus_value(text, name) for text in texts) if v is not None]
+        result[name] = sum(values) if values else None
+    return result
