@@ -157,8 +157,13 @@ def from_cache_state(state: CacheState) -> list[KVCache | RotatingKVCache]:
     return [from_cache_layer(layer) for layer in state.layers]
 
 
-def check_cache_state(state: CacheState, fingerprint: dict[str, Any], prompt_len: int) -> None:
-    """Refuse a handed-off cache that this model cannot decode from (before allocating)."""
+def check_cache_state(
+    state: CacheState, fingerprint: dict[str, Any], prompt_len: int, prefix_tokens: int = 0
+) -> None:
+    """Refuse a handed-off cache that this model cannot decode from (before allocating).
+
+    ``prefix_tokens``: a delta handoff's, whose layers hold only the positions after it.
+    """
     kinds = fingerprint["cache_classes"]
     if len(state.layers) != len(kinds):
         raise HandoffError(f"cache has {len(state.layers)} layers, model has {len(kinds)}")
@@ -168,11 +173,11 @@ def check_cache_state(state: CacheState, fingerprint: dict[str, Any], prompt_len
         if layer.dtype != fingerprint["dtype"]:
             want = fingerprint["dtype"]
             raise HandoffError(f"layer {i}: KV dtype {layer.dtype}, model uses {want}")
-        _check_layer_shape(i, layer, fingerprint, prompt_len)
+        _check_layer_shape(i, layer, fingerprint, prompt_len, prefix_tokens)
 
 
 def _check_layer_shape(
-    i: int, layer: CacheLayer, fingerprint: dict[str, Any], prompt_len: int
+    i: int, layer: CacheLayer, fingerprint: dict[str, Any], prompt_len: int, prefix_tokens: int
 ) -> None:
     want = (1, fingerprint["kv_heads"], fingerprint["head_dim"])
     for name, arr in (("keys", layer.keys), ("values", layer.values)):
@@ -180,6 +185,9 @@ def _check_layer_shape(
             raise HandoffError(f"layer {i}: {name} shape {arr.shape} does not fit {want}")
     if layer.offset != prompt_len:
         raise HandoffError(f"layer {i}: cache holds {layer.offset} tokens, prompt has {prompt_len}")
-    if layer.kind == "KVCache" and layer.keys.shape[2] != layer.offset:
-        stored = layer.keys.shape[2]
-        raise HandoffError(f"layer {i}: {stored} cached positions for offset {layer.offset}")
+    if prefix_tokens and layer.kind != "KVCache":
+        raise HandoffError(f"layer {i}: a {layer.kind} cannot take a delta handoff")
+    if layer.kind == "KVCache" and layer.keys.shape[2] != layer.offset - prefix_tokens:
+        stored, after = layer.keys.shape[2], f" after a prefix of {prefix_tokens}"
+        raise HandoffError(f"layer {i}: {stored} cached positions for offset {layer.offset}"
+                           f"{after if prefix_tokens else ''}")

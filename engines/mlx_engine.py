@@ -38,6 +38,7 @@ from engines.engine_commands import (
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, warm_up
 from engines.prefix_cache import PrefixCache
+from engines.prefix_splice import check_handoff, handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
 from engines.sampling import TokenSampler
 from engines.unfilled import SlabCarver
@@ -56,11 +57,7 @@ from mlxcel_plugin.engine_api import (
     PrefillResult,
     TokenEvent,
 )
-from mlxcel_plugin.errors import (
-    AtCapacityError,
-    EngineError,
-    MlxcelError,
-)
+from mlxcel_plugin.errors import AtCapacityError, EngineError, MlxcelError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +82,8 @@ class MlxEngine:
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, config)
+        # Delta handoffs (engine_api.Engine): pins on the prefix cache, taken from any thread.
+        self.reserve_prefix, self.release_prefix = self._prefix.pin, self._prefix.unpin
 
     @classmethod
     def from_path(cls, model_path: str, config: EngineConfig) -> MlxEngine:
@@ -237,7 +236,8 @@ class MlxEngine:
     def _accept_handoff(self, command: Decode) -> None:
         request, first = command.request, command.first_token
         prompt = request.prompt_tokens
-        kv_convert.check_cache_state(command.cache, self.info.fingerprint, len(prompt))
+        pin = self._prefix.take_pin(request.request_id)  # a delta handoff's prefix
+        check_handoff(command.cache, self.info.fingerprint, len(prompt), pin)
         sampler = TokenSampler(request.sampling, (*prompt, first), self.info.vocab_size)
         sequence = Sequence(request, command.emit, sampler, first, 1, [first])
         # The first token was emitted by the prefill node; it may already end the request.
@@ -245,7 +245,7 @@ class MlxEngine:
         if reason is not None:
             deliver(command.emit, TokenEvent(request.request_id, 1, None, reason))
             return
-        caches = kv_convert.from_cache_state(command.cache)
+        caches = handoff_caches(command.cache, pin)
         # A prefill node computed these chunks: the next turn may prefill here (local).
         self._prefix.store_prompt(prompt, caches)
         self._fit_prefix_cache()
@@ -359,6 +359,7 @@ class MlxEngine:
     # -- cancel / close ------------------------------------------------------------------
 
     def _cancel(self, request_id: str) -> None:
+        self._prefix.unpin(request_id)
         for job in [j for j in self._prefills if j.request.request_id == request_id]:
             self._prefills.remove(job)
             cancel_command(job)
@@ -374,8 +375,7 @@ class MlxEngine:
 
     def _cancel_everything(self) -> None:
         while self._prefills:
-            job = self._prefills.popleft()
-            cancel_command(job)
+            cancel_command(self._prefills.popleft())
         while self._waiting:
             self._emit_cancelled(self._waiting.popleft()[0])
         for seq in self._batch.remove({s.request_id for s in self._batch.sequences}):

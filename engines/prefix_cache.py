@@ -15,11 +15,19 @@ reply, computed by decode steps) and reuses any prefix of it, like
 byte-identical to a cache-off run.
 
 Storage, lookup and LRU eviction are mlx-lm's ``LRUPromptCache`` (a token trie).
+
+A decode node *pins* a stored prefix for a delta handoff (``pin``, from its
+event loop): the request holds references to the entry's arrays, so an
+eviction before the handoff completes cannot lose them; the engine splices
+them in front of the received positions (``engines/prefix_splice.py``).
+Pinned entries the LRU has dropped meanwhile still count in ``nbytes``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,14 +73,30 @@ class Lookup:
     reused_tokens: int
 
 
+@dataclass(frozen=True)
+class Pin:
+    """A request's hold on the first ``tokens`` positions of a stored entry's caches."""
+
+    tokens: int
+    caches: list[Any]  # the entry's own caches: never changed once stored
+    entry_tokens: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+
 class PrefixCache:
-    """A byte-bounded LRU of prompt KV for one model, on the engine thread."""
+    """A byte-bounded LRU of prompt KV for one model, on the engine thread (pins: any thread)."""
 
     def __init__(self, max_bytes: int, chunk_size_tokens: int, reuse_generated: bool = False):
         self.max_bytes = max_bytes
         self.chunk_size_tokens = chunk_size_tokens
         self.reuse_generated = reuse_generated
         self._lru = LRUPromptCache(max_size=1 << 30)
+        self._lock = threading.Lock()  # the LRU and the pins: pins come from other threads
+        self._pins: dict[str, Pin] = {}
+        self._unlisted_pin_bytes = 0  # pinned entries the LRU dropped: still held
         self._hit_tokens = 0
         self._lookup_tokens = 0
         self._evictions = 0
@@ -93,12 +117,13 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return self._lru.nbytes
+        return self._lru.nbytes + self._unlisted_pin_bytes
 
     def lookup(self, tokens: tuple[int, ...]) -> Lookup:
         """Caches holding the longest reusable prefix of ``tokens`` (at least one token is left)."""
         self._lookup_tokens += len(tokens)
-        caches, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, list(tokens))
+        with self._lock:
+            caches, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, list(tokens))
         if caches is None:
             return Lookup(None, 0)
         held = len(tokens) - len(rest)
@@ -132,15 +157,80 @@ class PrefixCache:
             return
         if caches[0].offset < len(tokens):
             return  # the caches do not hold these tokens (nothing to key them by)
-        self._lru.insert_cache(_MODEL_KEY, list(tokens), compact_copy(caches, len(tokens)))
+        copies = compact_copy(caches, len(tokens))
+        with self._lock:
+            self._lru.insert_cache(_MODEL_KEY, list(tokens), copies)
+            self._recount_pins()
         self.evict_to(self.max_bytes)
 
     def evict_to(self, max_bytes: int) -> int:
         """Drop least-recently-stored entries until at most ``max_bytes`` remain; bytes freed."""
-        before, entries = self._lru.nbytes, len(self._lru)
-        self._lru.trim_to(n_bytes=max(0, max_bytes))
-        self._evictions += entries - len(self._lru)
-        return before - self._lru.nbytes
+        with self._lock:
+            before, entries = self.nbytes, len(self._lru)
+            self._lru.trim_to(n_bytes=max(0, max_bytes - self._unlisted_pin_bytes))
+            self._evictions += entries - len(self._lru)
+            self._recount_pins()
+            return before - self.nbytes
+
+    # -- pins (delta handoffs) -----------------------------------------------------------
+
+    def pin(self, request_id: str, tokens: Sequence[int], prefix_tokens: int) -> bool:
+        """Hold the stored K/V of exactly ``tokens[:prefix_tokens]`` for ``request_id``.
+
+        Only a prefix whose reuse is exact qualifies: whole chunks, and no more
+        than the prompt's own full chunks (as ``lookup`` reuses), unless
+        ``reuse_generated``. False when nothing stored holds it.
+        """
+        if not self.enabled or not self._pinnable(len(tokens), prefix_tokens):
+            return False
+        prefix = tuple(tokens[:prefix_tokens])
+        with self._lock:
+            held = self._entry_holding(prefix)
+            if held is None:
+                return False
+            self._pins[request_id] = Pin(prefix_tokens, held[1], held[0])
+            self._recount_pins()
+        return True
+
+    def take_pin(self, request_id: str) -> Pin | None:
+        """End ``request_id``'s pin and return it (None when it has none)."""
+        with self._lock:
+            pin = self._pins.pop(request_id, None)
+            self._recount_pins()
+        return pin
+
+    def unpin(self, request_id: str) -> None:
+        self.take_pin(request_id)
+
+    def _pinnable(self, prompt_len: int, prefix_tokens: int) -> bool:
+        if not 0 < prefix_tokens < prompt_len:
+            return False
+        return self.reuse_generated or self._usable(prompt_len, prefix_tokens) == prefix_tokens
+
+    def _entry_holding(self, prefix: tuple[int, ...]) -> tuple[tuple[int, ...], list[Any]] | None:
+        """(tokens, caches) of a stored entry that starts with ``prefix``, read in place.
+
+        mlx-lm's trie, not ``fetch_nearest_cache``: that deep-copies the entry,
+        and a pin only needs to keep the arrays alive.
+        """
+        trie = self._lru._trie
+        found = trie.search(_MODEL_KEY, list(prefix))
+        tokens = found.exact or (found.longer if found.common_prefix >= len(prefix) else None)
+        if tokens is None:
+            return None
+        return tuple(tokens), trie.get(_MODEL_KEY, tokens).prompt_cache
+
+    def _recount_pins(self) -> None:
+        """Under the lock: bytes of pinned entries the LRU no longer lists (still held)."""
+        unlisted = {id(p.caches): p.nbytes for p in self._pins.values() if not self._listed(p)}
+        self._unlisted_pin_bytes = sum(unlisted.values())
+
+    def _listed(self, pin: Pin) -> bool:
+        try:
+            entry = self._lru._trie.get(_MODEL_KEY, list(pin.entry_tokens))
+        except KeyError:
+            return False
+        return entry.prompt_cache is pin.caches
 
     def clear(self) -> None:
         self.evict_to(0)

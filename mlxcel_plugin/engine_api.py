@@ -8,7 +8,7 @@ thread, and results come back through callbacks *called on that thread*
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -184,6 +184,9 @@ LayerAdopter = Callable[[CacheLayer], CacheLayer]
 # (shape, numpy storage dtype, count) -> ``count`` writable C-contiguous numpy views of
 # fresh engine memory; see ``Engine.kv_buffers``.
 KVBufferMaker = Callable[[tuple[int, ...], np.dtype, int], list[np.ndarray]]
+# (request_id, prompt tokens, prefix_tokens) -> True once the prefix is pinned; see
+# ``Engine.reserve_prefix``.
+PrefixReserver = Callable[[str, Sequence[int], int], bool]
 
 
 def layer_adopter(engine: object) -> LayerAdopter | None:
@@ -194,6 +197,19 @@ def layer_adopter(engine: object) -> LayerAdopter | None:
 def kv_buffer_maker(engine: object) -> KVBufferMaker | None:
     """The engine's ``kv_buffers``, or None: received K/V then lands in pooled numpy buffers."""
     return getattr(engine, "kv_buffers", None)
+
+
+def reserve_prefix(engine: object, request_id: str, tokens: Sequence[int], prefix: int) -> bool:
+    """``engine.reserve_prefix``; False for an engine without one (it holds no prefixes)."""
+    reserve: PrefixReserver | None = getattr(engine, "reserve_prefix", None)
+    return reserve is not None and bool(reserve(request_id, tokens, prefix))
+
+
+def release_prefix(engine: object, request_id: str) -> None:
+    """``engine.release_prefix`` where the engine has one (idempotent)."""
+    release = getattr(engine, "release_prefix", None)
+    if release is not None:
+        release(request_id)
 
 
 class Engine(Protocol):
@@ -213,6 +229,17 @@ class Engine(Protocol):
     straight into them (the link decrypts into the views) and ``adopt_layer``
     hands back the engine arrays without a copy. Same threading rules as
     ``adopt_layer``.
+
+    Optional, for delta handoffs (``reserve_prefix`` / ``release_prefix`` below):
+    ``reserve_prefix(request_id, tokens, prefix_tokens) -> bool`` pins the K/V
+    the engine holds for exactly ``tokens[:prefix_tokens]`` (its prefix cache)
+    for that request, so no eviction can lose them, and says whether it could:
+    an engine without a prefix cache, or without that prefix, returns False.
+    Thread-safe and quick (the decode node calls it on its event loop). A
+    ``decode`` of that request then takes a cache whose layers hold positions
+    ``[prefix_tokens, offset)`` only and splices the pinned prefix in front;
+    the pin ends there, or with ``release_prefix(request_id)`` (idempotent,
+    any thread) or ``cancel``.
     """
 
     info: ModelInfo

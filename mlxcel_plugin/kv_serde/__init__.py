@@ -7,6 +7,7 @@ and on which lane each message goes.
 
 from mlxcel_plugin.kv_codecs import CodecError, CorruptChunk, UnknownCodec
 from mlxcel_plugin.kv_serde.assembler import AssemblerLimits, KVAssembler, assemble_messages
+from mlxcel_plugin.kv_serde.delta import can_ship_delta, delta_layer
 from mlxcel_plugin.kv_serde.errors import (
     AdoptFailed,
     ChecksumMismatch,
@@ -14,6 +15,7 @@ from mlxcel_plugin.kv_serde.errors import (
     LayerCountMismatch,
     MalformedHandoff,
     OversizeDeclared,
+    PrefixMissing,
     RequestMismatch,
     StaleEpoch,
     TruncatedLayer,
@@ -22,6 +24,7 @@ from mlxcel_plugin.kv_serde.errors import (
     UnsupportedHandoffVersion,
 )
 from mlxcel_plugin.kv_serde.header import (
+    DELTA_SERDE_VERSION,
     SERDE_VERSION,
     SUPPORTED_CACHE_KINDS,
     HandoffHeader,
@@ -48,6 +51,7 @@ from mlxcel_plugin.kv_serde.writer import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DELTA_SERDE_VERSION",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_POOL_BYTES",
     "RECORD_BYTES",
@@ -72,6 +76,7 @@ __all__ = [
     "MalformedHandoff",
     "ModelFingerprint",
     "OversizeDeclared",
+    "PrefixMissing",
     "ReceiveMemory",
     "RequestMismatch",
     "SerializableCacheState",
@@ -83,5 +88,7 @@ __all__ = [
     "UnsupportedCacheKind",
     "UnsupportedHandoffVersion",
     "assemble_messages",
+    "can_ship_delta",
+    "delta_layer",
     "make_ack",
 ]

@@ -26,6 +26,7 @@ from mlxcel_plugin.engine_api import CacheState, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import IdentityCodec, KVCodec, resolve_codec, storage_dtype
 from mlxcel_plugin.kv_serde.chunk_body import decode_chunk_into, occupies
+from mlxcel_plugin.kv_serde.delta import check_delta_begin, check_delta_layer
 from mlxcel_plugin.kv_serde.errors import (
     ChecksumMismatch,
     LayerCountMismatch,
@@ -169,6 +170,7 @@ class KVAssembler:
         self._check_identity(header)
         header.fingerprint.check_supported()
         header.fingerprint.check_matches(self.local)
+        check_delta_begin(header)
         self._codec = resolve_codec(header.codec, self.codecs)
         self._check_budget(header)
         self.header = header
@@ -189,8 +191,8 @@ class KVAssembler:
 
     def _check_budget(self, header: HandoffHeader) -> None:
         fp = header.fingerprint
-        # No layer holds more tokens than the prompt: this bounds every later allocation.
-        bound = fp.num_layers * 2 * fp.tensor_bytes(header.prompt_length)
+        # No layer holds more tokens than it ships: this bounds every later allocation.
+        bound = fp.num_layers * 2 * fp.tensor_bytes(header.shipped_tokens)
         if bound > self.limits.max_bytes:
             raise OversizeDeclared(f"cache of up to {bound} bytes > budget {self.limits.max_bytes}")
 
@@ -308,6 +310,7 @@ class KVAssembler:
                 f"layer {chunk.layer}: tokens {descriptor.tokens}, offset {descriptor.offset}, "
                 f"prompt_length {prompt_length} are inconsistent"
             )
+        check_delta_layer(chunk.layer, descriptor, self._begun())
         return self._allocate(chunk.layer, descriptor)
 
     def _allocate(self, index: int, descriptor: LayerDescriptor) -> ReceivedLayer:

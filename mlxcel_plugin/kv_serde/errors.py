@@ -72,3 +72,9 @@ class AdoptFailed(HandoffError):
     """The engine could not take a received layer into its own arrays."""
 
     code = "handoff_adopt_failed"
+
+
+class PrefixMissing(HandoffError):
+    """A delta for a prefix this receiver does not hold; the sender retries in full."""
+
+    code = "prefix_missing"

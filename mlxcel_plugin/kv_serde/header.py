@@ -25,7 +25,11 @@ from mlxcel_plugin.kv_serde.errors import (
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
 from mlxcel_plugin.kv_serde.messages import KVMessage
 
-SERDE_VERSION = 1
+SERDE_VERSION = 1  # a full handoff
+# A delta handoff (``prefix_tokens`` > 0): a receiver older than it refuses it at the begin
+# (``handoff_unsupported_version``) instead of taking the shorter layers for the whole cache.
+DELTA_SERDE_VERSION = 2
+SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION)
 SUPPORTED_CACHE_KINDS = frozenset({"KVCache", "RotatingKVCache"})
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 65536
@@ -198,6 +202,19 @@ def unpack_tokens(body: Any, count: int) -> tuple[int, ...]:
     return tuple(tokens.tolist())
 
 
+def _prefix_tokens(data: Any, version: int, prompt_length: int, context: int) -> int:
+    """A delta's prefix: under the prompt, with the prompt named (what the receiver checks)."""
+    if data.get("prefix_tokens") is None:
+        return 0
+    prefix = f.get_int(data, "prefix_tokens", 0, prompt_length - 1)
+    if prefix and (version < DELTA_SERDE_VERSION or context != prompt_length):
+        raise MalformedHandoff(
+            f"a delta of {prefix} prefix tokens needs serde version {DELTA_SERDE_VERSION} "
+            "and the prompt tokens in the begin body"
+        )
+    return prefix
+
+
 @dataclass(frozen=True)
 class HandoffHeader:
     """The KV_BEGIN header.
@@ -207,6 +224,12 @@ class HandoffHeader:
     ``deadline_in_s`` is the time left when sent — relative, because node
     clocks are not synchronized. The penalty context (prompt tokens) travels as
     the begin message's body, not in the msgpack header, whose size frames bound.
+
+    ``prefix_tokens`` > 0 makes it a *delta*: the receiver already holds the K/V
+    of the first ``prefix_tokens`` prompt tokens, and every layer carries only
+    positions ``[prefix_tokens, prompt_length)``. A delta names its prompt
+    tokens (the receiver checks it holds exactly that prefix) and goes out as
+    ``DELTA_SERDE_VERSION``; a full handoff's bytes are what they always were.
     """
 
     request_id: str
@@ -219,10 +242,20 @@ class HandoffHeader:
     sampling: SerializableSamplingState = field(default_factory=SerializableSamplingState)
     deadline_in_s: float | None = None
     version: int = SERDE_VERSION
+    prefix_tokens: int = 0  # held by the receiver already; 0: a full handoff
+
+    @property
+    def shipped_tokens(self) -> int:
+        """Positions each layer carries: the prompt less the receiver's prefix."""
+        return self.prompt_length - self.prefix_tokens
+
+    @property
+    def wire_version(self) -> int:
+        return max(self.version, DELTA_SERDE_VERSION) if self.prefix_tokens else self.version
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
+        data = {
+            "version": self.wire_version,
             "request_id": self.request_id,
             "handoff_id": self.handoff_id,
             "epoch": self.epoch,
@@ -234,6 +267,9 @@ class HandoffHeader:
             "context_tokens": len(self.sampling.prompt_tokens),
             "deadline_in_s": self.deadline_in_s,
         }
+        if self.prefix_tokens:  # absent means 0: a full handoff keeps its bytes
+            data["prefix_tokens"] = self.prefix_tokens
+        return data
 
     def to_message(self) -> KVMessage:
         return KVMessage("begin", self.to_dict(), pack_tokens(self.sampling.prompt_tokens))
@@ -248,9 +284,9 @@ class HandoffHeader:
     ) -> HandoffHeader:
         data = f.as_map(data, "begin header")
         version = f.get_int(data, "version", 0)
-        if version != SERDE_VERSION:
+        if version not in SUPPORTED_SERDE_VERSIONS:
             raise UnsupportedHandoffVersion(
-                f"handoff serde version {version}; this node speaks {SERDE_VERSION}"
+                f"handoff serde version {version}; this node speaks {SUPPORTED_SERDE_VERSIONS}"
             )
         prompt_length = f.get_int(data, "prompt_length", 1, MAX_TOKENS)
         if prompt_length > max_prompt_tokens:
@@ -258,6 +294,7 @@ class HandoffHeader:
         context = f.get_int(data, "context_tokens", 0, prompt_length)
         if context not in (0, prompt_length):
             raise MalformedHandoff(f"{context} context tokens for prompt_length {prompt_length}")
+        prefix = _prefix_tokens(data, version, prompt_length, context)
         tokens = unpack_tokens(context_body, context)
         sampling = SerializableSamplingState.from_dict(data.get("sampling", {}), tokens)
         return cls(
@@ -271,6 +308,7 @@ class HandoffHeader:
             sampling=sampling,
             deadline_in_s=f.get_optional_float(data, "deadline_in_s", 0.0, 1e9),
             version=version,
+            prefix_tokens=prefix,
         )
 
     def to_request(self) -> GenerationRequest:

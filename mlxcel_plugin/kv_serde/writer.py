@@ -9,6 +9,7 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec, storage_dtype
 from mlxcel_plugin.kv_codecs.base import raw_view
+from mlxcel_plugin.kv_serde.delta import delta_layer
 from mlxcel_plugin.kv_serde.errors import (
     FingerprintMismatch,
     LayerCountMismatch,
@@ -44,6 +45,8 @@ class KVWriter:
     Chunks hold at most ``chunk_bytes`` of raw tensor bytes (at least one row).
     The end message carries a crc32 per layer tensor over the bytes the
     receiver will hold — for a lossy codec, the sender decodes its own output.
+    A delta header (``prefix_tokens``) makes every layer ship only the
+    positions after the prefix: give it whole layers, it slices them.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class KVWriter:
         return self.header.to_message()
 
     def layer(self, index: int, layer: CacheLayer) -> list[KVMessage]:
+        layer = delta_layer(layer, self.header, index)
         self._check_layer(index, layer)
         descriptor = LayerDescriptor(layer.keys.shape[2], layer.offset, dict(layer.meta))
         messages: list[KVMessage] = []

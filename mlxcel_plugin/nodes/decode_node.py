@@ -11,6 +11,12 @@ A REQUEST without ``claim`` is a *local* request: the router found this node
 holding most of the prompt in its prefix cache, so the node prefills the rest
 itself (``engine.generate``) and sends every token from ``seq = 0``; no
 prefill node is involved (docs/prefix-cache.md).
+
+A *delta* handoff (``prefix_tokens`` in its begin) carries only the positions
+after a prefix this node holds: the begin pins that prefix in the engine
+(``reserve_prefix``) or is refused with ``prefix_missing`` before anything is
+allocated, and the pin is released whenever the request ends without decoding
+(docs/cluster-flow.md).
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from mlxcel_plugin.engine_api import (
     TokenEvent,
     kv_buffer_maker,
     layer_adopter,
+    release_prefix,
+    reserve_prefix,
 )
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.kv_codecs import KVCodec
-from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, make_ack
+from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, PrefixMissing, make_ack
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
     Cancel,
@@ -162,6 +170,7 @@ class DecodeNode:
             self._prefill_outboxes.pop(link, None)
             lost = UnknownRequest("the prefill link closed mid-handoff", code="prefill_node_lost")
             for refused in self.receiver.drop_link(link, lost):
+                release_prefix(self.engine, refused.request_id)
                 self.scheduler.complete(refused.request_id, FINISH_ERROR)
         outbox.close()
 
@@ -218,14 +227,28 @@ class DecodeNode:
         request_id = header.request_id
         if request_id in self._ended or request_id in self.live:
             raise UnknownRequest(f"request {request_id} is not awaiting KV (ended or cancelled)")
-        fp = header.fingerprint
+        self._pin_prefix(header)
+        fp = header.fingerprint  # a delta's spliced cache is as large as a full one
         kv_bytes = fp.num_layers * 2 * fp.tensor_bytes(
             header.prompt_length + header.sampling.max_tokens)
         self.ready.pop(request_id, None)
-        self.scheduler.offer(request_id, UNCLAIMED, kv_bytes, header.epoch)
+        try:
+            self.scheduler.offer(request_id, UNCLAIMED, kv_bytes, header.epoch)
+        except MlxcelError:
+            release_prefix(self.engine, request_id)
+            raise
+
+    def _pin_prefix(self, header: HandoffHeader) -> None:
+        """A delta's prefix must be held here: pinned for the request, or the begin is refused."""
+        request_id, prefix = header.request_id, header.prefix_tokens
+        release_prefix(self.engine, request_id)  # an earlier attempt's, if any
+        tokens = header.sampling.prompt_tokens
+        if prefix and not reserve_prefix(self.engine, request_id, tokens, prefix):
+            raise PrefixMissing(f"this node holds no K/V for the first {prefix} prompt tokens")
 
     def _on_outcome(self, outcome: Completed | Refused | None) -> None:
         if isinstance(outcome, Refused):
+            release_prefix(self.engine, outcome.request_id)
             self._send_refusal(outcome)
             if outcome.admitted:
                 self.scheduler.complete(outcome.request_id, FINISH_ERROR)
@@ -315,6 +338,7 @@ class DecodeNode:
         self._end(request_id)
 
     def _end(self, request_id: str) -> None:
+        release_prefix(self.engine, request_id)  # a delta that never decoded (else a no-op)
         self.live.pop(request_id, None)
         self.local.pop(request_id, None)
         self.ready.pop(request_id, None)

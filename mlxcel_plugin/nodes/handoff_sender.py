@@ -61,8 +61,19 @@ class OutgoingHandoff:
 
     def __post_init__(self) -> None:
         self.ack: asyncio.Future[AckHeader] = asyncio.get_running_loop().create_future()
+        self.ack.add_done_callback(self._on_answer)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+
+    def _on_answer(self, ack: asyncio.Future[AckHeader]) -> None:
+        """A refusal stops the sending: the decode node drops the rest of this attempt.
+
+        (A delta's ``prefix_missing`` comes at the begin, while prefill still streams layers.)
+        """
+        if not ack.cancelled() and ack.exception() is None and not ack.result().ok:
+            self.aborted = True
+            if self._task is not None:
+                self._task.cancel()
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -49,6 +49,9 @@ class PrefillMetrics(NodeMetrics):
                                       buckets=_SECONDS, registry=r)
         self.handoff_retries = Counter("mlxcel:handoff_retries", "Handoff attempts retried.",
                                        registry=r)
+        self.handoff_prefix_missing = Counter(
+            "mlxcel:handoff_prefix_missing", "Delta handoffs refused (prefix not held, or a "
+            "receiver too old for deltas) and sent again in full.", registry=r)
         self.handoff_choices = Counter("mlxcel:handoff_choices",
                                        "Handoffs started, by transfer strategy and codec.",
                                        ["strategy", "codec"], registry=r)

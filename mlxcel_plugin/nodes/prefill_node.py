@@ -6,7 +6,8 @@ queue → ``engine.prefill`` with ``on_layer`` feeding the transfer strategy
 router at once → the strategy's end (carrying the first token) → wait for
 KV_ACK, retrying per ``max_handoff_retries`` → free the KV copy on ack,
 failure or ``transfer_timeout_s``. This node never generates past the first
-token.
+token. A router's ``decode_cached_tokens`` makes the handoff a delta (the rest of the
+prompt only); a decode node lacking that prefix gets it all at once (docs/cluster-flow.md).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mlxcel_plugin.link.protocol.frames import (
     Telemetry,
 )
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
+from mlxcel_plugin.nodes.handoff_policy import FINAL_REFUSALS, delta_prefix_tokens, retries_in_full
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics
 from mlxcel_plugin.nodes.outbox import Outbox
@@ -54,12 +56,6 @@ from mlxcel_plugin.transfer import (
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.25
-# Refusals that another attempt cannot cure: give up at once.
-FINAL_REFUSALS = frozenset({
-    "handoff_fingerprint_mismatch", "handoff_layer_count_mismatch",
-    "handoff_unsupported_cache_kind", "handoff_unsupported_version", "handoff_oversize",
-    "unknown_request",
-})  # fmt: skip
 
 
 @dataclass
@@ -69,6 +65,7 @@ class _Job:
     target: str
     pinned: bool  # the router chose the target: never hand off elsewhere
     submitted_s: float
+    prefix_tokens: int = 0  # the decode node holds these already: a delta handoff
     handoff_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     handoff: OutgoingHandoff | None = None
     choice: TransferChoice | None = None  # the selector's, for its measured codec ratio
@@ -161,22 +158,20 @@ class PrefillNode:
             outbox.close()
 
     def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
-        dispatch_router_frame(
-            frame,
-            on_request=lambda request: self._on_request(outbox, request),
-            on_cancel=lambda request_id: self.cancel(request_id, "cancelled by the router"),
-            reply=outbox.put,
-        )
+        dispatch_router_frame(frame, lambda request: self._on_request(outbox, request),
+                              lambda request_id: self.cancel(request_id, "cancelled by the router"),
+                              outbox.put)
 
     def _on_request(self, outbox: Outbox, frame: Request) -> None:
         if frame.claim:
             raise FrameError("a prefill node takes no claims", code="claim_refused")
         request = generation_request(frame)
         target, pinned = self._choose_target(frame.decode_target)
+        prefix = delta_prefix_tokens(frame.decode_cached_tokens, pinned, self.fingerprint)
         now = time.monotonic()
         self.scheduler.submit(PrefillJob(request.request_id, len(request.prompt_tokens), target),
                               now, kv_used_fraction=self.kv_used_fraction())
-        self.jobs[request.request_id] = _Job(request, outbox, target, pinned, now)
+        self.jobs[request.request_id] = _Job(request, outbox, target, pinned, now, prefix)
         self._pump()
 
     def _choose_target(self, wanted: str | None) -> tuple[str, bool]:
@@ -223,12 +218,13 @@ class PrefillNode:
             fingerprint=self.fingerprint, prompt_length=len(job.request.prompt_tokens),
             first_token=first_token, sampling=SerializableSamplingState.from_request(job.request),
             deadline_in_s=self.parts.transfer_config.transfer_timeout_s,
+            prefix_tokens=job.prefix_tokens,
         )
 
     def _begin_handoff(self, job: _Job, epoch: int, streaming: bool,
                        first_token: int = 0) -> OutgoingHandoff:
         payload = self.fingerprint.num_layers * 2 * self.fingerprint.tensor_bytes(
-            len(job.request.prompt_tokens))
+            len(job.request.prompt_tokens) - job.prefix_tokens)
         choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
                                       lanes_available=self.parts.transfer_config.parallelism,
                                       can_stream=streaming)
@@ -283,7 +279,7 @@ class PrefillNode:
                 error, code = "no ack before transfer_timeout_s", "transfer_timeout"
             except MlxcelError as exc:
                 error, code = exc.message, exc.code or "handoff_failed"
-            if not await self._retry(job, code, error):
+            if not await self._retry(job, handoff, code, error):
                 return
 
     def _deadline_s(self, job: _Job) -> float:
@@ -303,11 +299,16 @@ class PrefillNode:
         self.scheduler.on_handoff_acked(job.request_id)
         self._forget(job, "handed_off")
 
-    async def _retry(self, job: _Job, code: str, error: str) -> bool:
+    async def _retry(self, job: _Job, failed: OutgoingHandoff, code: str, error: str) -> bool:
         """Start the next attempt, or report the failure; True when retrying."""
         logger.info("%s: handoff of %s to %s failed: %s (%s)", self.node_id, job.request_id,
                     job.target, code, error)
         self._abort_handoff(job, code)
+        if retries_in_full(code, failed.header):  # the prefix is not there: send it all, now
+            self.metrics.handoff_prefix_missing.inc()
+            job.prefix_tokens = 0
+            self._resend(job, failed.header.epoch + 1)
+            return True
         alternatives = () if job.pinned else tuple(p for p in self.parts.decode_peers)
         decision = self.scheduler.on_handoff_failed(
             job.request_id, time.monotonic(), alternatives=alternatives,
@@ -325,13 +326,18 @@ class PrefillNode:
             await asyncio.sleep(self.parts.scheduler_config.retry_after_s)
         if self.jobs.get(job.request_id) is not job:
             return False
-        job.target = decision.target or job.target
-        job.handoff = self._begin_handoff(job, decision.attempt, streaming=False,
+        if (decision.target or job.target) != job.target:
+            job.target, job.prefix_tokens = decision.target, 0  # another node, another cache
+        self._resend(job, max(decision.attempt, failed.header.epoch + 1))
+        return True
+
+    def _resend(self, job: _Job, epoch: int) -> None:
+        """Another attempt from the cache prefill left, every layer at once."""
+        job.handoff = self._begin_handoff(job, epoch, streaming=False,
                                           first_token=job.result.first_token)
         for index, layer in enumerate(job.result.cache.layers):
             job.handoff.add_layer(index, layer)
         job.handoff.finish(job.result.first_token)
-        return True
 
     def _abort_handoff(self, job: _Job, reason: str) -> None:
         handoff = job.handoff

@@ -25,7 +25,8 @@ whose cache matches ``info.fingerprint`` and survives the KV wire format;
 decoding that cache (on another engine, received into its ``kv_buffers`` and
 ``adopt_layer`` where it has them) continues the single-node stream token for
 token; ``kv_buffers``, where offered, are writable, separate engine memory;
-a bad request fails alone; ``stats`` stay in range and fall back to idle.
+a bad request fails alone; ``stats`` stay in range and fall back to idle;
+delta handoffs, where the engine offers them, hold (``prefix_contract``).
 Prompts are drawn from ``info.vocab_size``, so any model works; greedy parity
 needs a deterministic engine, which every engine must be. The helpers the tests
 use (``EventLog``, ``make_request``, ``check_stream``, ...) are in
@@ -81,6 +82,7 @@ from mlxcel_plugin.testing.engine_harness import (
     wait_idle,
     wait_until,
 )
+from mlxcel_plugin.testing.prefix_contract import DeltaHandoffContract
 
 # Re-exported: the helpers lived here before ``engine_harness``; plugin tests import them.
 __all__ = [
@@ -114,7 +116,7 @@ __all__ = [
 # --- the contract ------------------------------------------------------------------
 
 
-class EngineContract:
+class EngineContract(DeltaHandoffContract):
     @pytest.fixture
     def engine_factory(self) -> EngineFactory:
         raise NotImplementedError("provide an `engine_factory` fixture")

@@ -220,12 +220,14 @@ def check_layer_tensor(
 
 
 def through_the_wire(
-    result: PrefillResult, info: ModelInfo, receiver: Engine | None = None
+    result: PrefillResult, info: ModelInfo, receiver: Engine | None = None,
+    prefix_tokens: int = 0,
 ) -> CacheState:
     """The cache as a decode node receives it: serialized, then assembled and checked.
 
     With ``receiver`` (the decode engine), as a decode node does it: into that
     engine's memory (``kv_buffers``) and arrays (``adopt_layer``) where it offers them.
+    ``prefix_tokens``: a delta handoff, whose layers carry the positions after it only.
     """
     fingerprint = ModelFingerprint.from_dict(info.fingerprint)
     request = result.request
@@ -237,6 +239,7 @@ def through_the_wire(
         prompt_length=len(request.prompt_tokens),
         first_token=result.first_token,
         sampling=SerializableSamplingState.from_request(request),
+        prefix_tokens=prefix_tokens,
     )
     messages = plan_transfer(FullTransfer(StrategyOptions()), header, result.cache)
     if receiver is None:

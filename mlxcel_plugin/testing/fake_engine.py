@@ -50,6 +50,7 @@ from mlxcel_plugin.testing.fake_model import (
     EOS_TRIGGER_TOKEN_ID,
     VOCAB_SIZE,
     FakeEngineSettings,
+    FakePrefixStore,
     expected_tokens,
     make_layer,
     next_token,
@@ -137,6 +138,9 @@ class FakeEngine:
         self._closed = False
         self._stats = EngineStats()
         self._speed = _Stats()
+        # Delta handoffs: prompts it decoded or generated stand for their cached K/V.
+        self.prefixes = FakePrefixStore(enabled=self.config.prefix_cache.max_bytes > 0)
+        self.reserve_prefix, self.release_prefix = self.prefixes.pin, self.prefixes.unpin
 
     @classmethod
     def scripted(
@@ -285,6 +289,7 @@ class FakeEngine:
             job.on_done(PrefillResult(request, first, cache, reason))
             return
         job.emit(TokenEvent(request.request_id, 0, first, reason))
+        self.prefixes.keep(prompt)
         if reason is None:
             self._batch[request.request_id] = _Sequence(
                 request, prompt, job.emit, 1, cache.nbytes, script)
@@ -292,6 +297,7 @@ class FakeEngine:
     def _admit(self, request: GenerationRequest, cache: CacheState, emit: EmitToken) -> None:
         try:
             self._check(request)
+            cache = self.prefixes.splice(request.request_id, cache, self.settings)
             self._check_cache(cache, len(request.prompt_tokens))
             prompt = prompt_from_cache(cache)
             if prompt != tuple(request.prompt_tokens):
@@ -299,6 +305,7 @@ class FakeEngine:
         except MlxcelError as exc:
             emit(TokenEvent(request.request_id, 1, None, FINISH_ERROR, exc.message))
             return
+        self.prefixes.keep(prompt)
         self._batch[request.request_id] = _Sequence(
             request, prompt, emit, 1, cache.nbytes, self._script(request))
 
@@ -351,6 +358,7 @@ class FakeEngine:
         return None
 
     def _cancel(self, request_id: str) -> None:
+        self.prefixes.unpin(request_id)
         queued = [j for j in self._prefills if j.request.request_id == request_id]
         sequence = self._batch.get(request_id)
         if queued or sequence is not None:

@@ -14,7 +14,11 @@ Knobs come from ``fake_engine.json`` in the "model" directory (all optional)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -99,3 +103,58 @@ def prompt_from_cache(cache: CacheState) -> tuple[int, ...]:
                 and np.array_equal(layer.values, -layer.keys)):
             raise EngineError(f"fake cache layer {index} is inconsistent")
     return tuple(int(v) for v in first)
+
+
+class FakePrefixStore:
+    """The fake engine's prefix cache: the prompts it decoded, for delta handoffs.
+
+    A fake cache is a pure function of the prompt, so holding a prompt is
+    holding its K/V; ``splice`` rebuilds the pinned prefix's rows and puts
+    them in front of a delta's. Thread-safe (pins come from a node's loop).
+    """
+
+    def __init__(self, enabled: bool = True, max_prompts: int = 64):
+        self.enabled, self.max_prompts = enabled, max_prompts
+        self._prompts: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._pins: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, prompt: Sequence[int]) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._prompts[tuple(prompt)] = None
+            self._prompts.move_to_end(tuple(prompt))
+            while len(self._prompts) > self.max_prompts:
+                self._prompts.popitem(last=False)
+
+    def pin(self, request_id: str, tokens: Sequence[int], prefix_tokens: int) -> bool:
+        prefix = tuple(tokens[:prefix_tokens])
+        with self._lock:
+            held = 0 < prefix_tokens < len(tokens) and any(
+                p[:prefix_tokens] == prefix for p in self._prompts)
+            if held:
+                self._pins[request_id] = prefix
+        return held
+
+    def unpin(self, request_id: str) -> None:
+        with self._lock:
+            self._pins.pop(request_id, None)
+
+    def splice(self, request_id: str, cache: CacheState,
+               settings: FakeEngineSettings) -> CacheState:
+        """``cache`` with the pinned prefix's rows in front (as is without a pin)."""
+        with self._lock:
+            prefix = self._pins.pop(request_id, None)
+        if prefix is None:
+            return cache
+        layers = []
+        for index, layer in enumerate(cache.layers):
+            held = make_layer(prefix, index, settings)
+            try:
+                keys = np.concatenate([held.keys, layer.keys], axis=2)
+                values = np.concatenate([held.values, layer.values], axis=2)
+            except ValueError as exc:  # a delta of another shape: that request fails alone
+                raise EngineError(f"layer {index} cannot take the pinned prefix: {exc}") from exc
+            layers.append(dataclasses.replace(layer, keys=keys, values=values))
+        return CacheState(layers)

@@ -10,6 +10,8 @@ router's own stream bridge does the same merge with more care)::
 ``generate`` sends REQUEST ``claim=True`` to decode, then REQUEST with
 ``decode_target`` to prefill, and collects RESULT seq 0 (prefill) and seq
 1, 2, ... (decode) until the terminal one, or an ERROR frame for the request.
+``decode_cached_tokens`` says, as the router would, that the decode node holds
+that many prompt tokens already (a delta handoff).
 """
 
 from __future__ import annotations
@@ -151,13 +153,14 @@ class LinkDriver:
     async def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
                      sampling: dict[str, Any] | None = None,
                      stop_token_ids: Sequence[int] = (), decode_target: str | None = None,
-                     claim: bool = True) -> _Collector:
+                     claim: bool = True, decode_cached_tokens: int = 0) -> _Collector:
         """Claim (optionally) and send; returns the collector to await."""
         collector = self.expect(request_id)
         if claim:
             await self.claim(request_id, max_tokens, sampling, stop_token_ids)
         request = Request(request_id, list(prompt), dict(sampling or {}), max_tokens,
-                          list(stop_token_ids), decode_target or self.decode_addr)
+                          list(stop_token_ids), decode_target or self.decode_addr,
+                          decode_cached_tokens=decode_cached_tokens)
         await self.prefill.send(request.to_frame())
         return collector
 
@@ -175,9 +178,9 @@ class LinkDriver:
     async def generate(self, request_id: str, prompt: Sequence[int], max_tokens: int,
                        sampling: dict[str, Any] | None = None,
                        stop_token_ids: Sequence[int] = (), decode_target: str | None = None,
-                       timeout_s: float = 60.0) -> Outcome:
+                       timeout_s: float = 60.0, decode_cached_tokens: int = 0) -> Outcome:
         collector = await self.submit(request_id, prompt, max_tokens, sampling, stop_token_ids,
-                                      decode_target)
+                                      decode_target, decode_cached_tokens=decode_cached_tokens)
         return await self.wait(collector, timeout_s)
 
     async def generate_local(self, request_id: str, prompt: Sequence[int], max_tokens: int,

@@ -1,6 +1,6 @@
 """Reference tokens from the engine's single-process ``generate`` (the hybrid path).
 
-``python -m tests.integration.hybrid_reference MODEL`` reads a JSON list of
+``python -m tests.integration.hybrid_reference MODEL [CHUNK_SIZE_TOKENS]`` reads a JSON list of
 requests on stdin and prints a JSON map request_id -> tokens. It runs in its
 own process with the same BLAS preload as the nodes, so the numbers match.
 """
@@ -16,7 +16,8 @@ from tests.engines import support
 
 
 def main() -> None:
-    engine = MlxEngine.from_path(sys.argv[1], EngineConfig(warmup=False))
+    chunk = int(sys.argv[2]) if len(sys.argv) > 2 else EngineConfig.chunk_size_tokens
+    engine = MlxEngine.from_path(sys.argv[1], EngineConfig(warmup=False, chunk_size_tokens=chunk))
     engine.start()
     tokens = {}
     try:

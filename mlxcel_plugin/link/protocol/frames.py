@@ -76,6 +76,10 @@ class Request:
 
     Router → decode: the same frame with ``claim=True`` and an empty prompt
     registers the lease — that router link owns the request and gets its tokens.
+
+    ``decode_cached_tokens``: the router believes the decode node holds the K/V
+    of the first that many prompt tokens, so the prefill node ships only the
+    rest (a delta handoff; 0 = the whole cache). Below the prompt's length.
     """
 
     request_id: str
@@ -86,6 +90,7 @@ class Request:
     decode_target: str | None = None  # host:port chosen by the router
     deadline_unix_s: float | None = None  # wall clock, None = no deadline
     claim: bool = False  # a decode lease, not work to run; the prompt may be empty
+    decode_cached_tokens: int = 0  # prompt tokens the decode node holds already
 
     TYPE: ClassVar[FrameType] = FrameType.REQUEST
 
@@ -93,19 +98,22 @@ class Request:
         if len(self.prompt_token_ids) > MAX_PROMPT_TOKENS:
             raise PromptTooLong(f"prompt of {len(self.prompt_token_ids)} tokens exceeds "
                                 f"the cap of {MAX_PROMPT_TOKENS}")
+        _check_cached_tokens(self.decode_cached_tokens, len(self.prompt_token_ids))
         header = {"request_id": self.request_id, "sampling": self.sampling,
                   "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids),
                   "decode_target": self.decode_target, "deadline_unix_s": self.deadline_unix_s}
         if self.claim:
             # Only when set: a plain request keeps its golden bytes.
             header["claim"] = True
+        if self.decode_cached_tokens:  # the same: absent means 0
+            header["decode_cached_tokens"] = self.decode_cached_tokens
         return Frame(self.TYPE, header, pack_token_ids(self.prompt_token_ids))
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Request:
         expect_type(frame, cls.TYPE)
         h = frame.header
-        return cls(
+        request = cls(
             request_id=get_field(h, "request_id", str, required=True),
             prompt_token_ids=unpack_token_ids(frame.body),
             sampling=get_field(h, "sampling", dict, {}),
@@ -114,7 +122,15 @@ class Request:
             decode_target=get_field(h, "decode_target", str),
             deadline_unix_s=_float_or_none(h, "deadline_unix_s"),
             claim=get_field(h, "claim", bool, False),
+            decode_cached_tokens=get_field(h, "decode_cached_tokens", int, 0),
         )
+        _check_cached_tokens(request.decode_cached_tokens, len(request.prompt_token_ids))
+        return request
+
+
+def _check_cached_tokens(cached: int, prompt_tokens: int) -> None:
+    if isinstance(cached, bool) or not 0 <= cached < max(prompt_tokens, 1):
+        raise MalformedFrame(f"decode_cached_tokens {cached!r:.40} is not in [0, {prompt_tokens})")
 
 
 def _float_or_none(header: Mapping[str, Any], name: str) -> float | None:
