@@ -168,7 +168,7 @@ class EngineConfig:
     max_batch_size: int = 32
     max_sequences: int = 128
     # Prefill chunk size; hybrid and prefill roles share it so results stay byte-exact.
-    chunk_size_tokens: int = 512
+    chunk_size_tokens: int = 128
     memory_threshold: float = 0.85
     kv_memory_bytes: int = 4 * 1024**3
     warmup: bool = True

@@ -60,7 +60,8 @@ class ClusterBackend:
         self.routing = RoutingContext(select=self.select, pool=self.pool, stats=stats,
                                       on_load_change=self.on_load_change,
                                       max_placements=config.max_placements,
-                                      local_prefill_tokens=local_prefill_tokens)
+                                      local_prefill_tokens=local_prefill_tokens,
+                                      clock=clock)
         peers.set_on_change(self.on_load_change)
 
     # ------------------------------------------------------------ TokenBackend

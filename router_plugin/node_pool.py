@@ -179,8 +179,16 @@ class NodePool:
         views = [self._view(n, now) for n in self._by_role(role)]
         if not blocks:
             return views
-        return [replace(v, cached_prefix_tokens=self.prefixes.cached_tokens(v.node_id, blocks))
+        return [replace(v, cached_prefix_tokens=self.cached_prefix_tokens(v.node_id, blocks, now))
                 for v in views]
+
+    def cached_prefix_tokens(self, node_id: str, blocks: Sequence[int], now: float) -> int:
+        """Tokens of a prompt the node probably holds: the index's guess, while the node's
+        fresh telemetry says its prefix cache holds something (0 when it is off or empty)."""
+        telemetry, _ = self._fresh_telemetry(self._nodes[node_id], now)
+        if telemetry.prefix_cached_bytes <= 0:
+            return 0
+        return self.prefixes.cached_tokens(node_id, blocks)
 
     def _fresh_telemetry(self, node: _Node, now: float) -> tuple[NodeTelemetry, float | None]:
         if node.telemetry_at_s is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-DEFAULT_BLOCK_TOKENS = 512  # the nodes' default prefill chunk
+DEFAULT_BLOCK_TOKENS = 128  # the nodes' default prefill chunk
 DEFAULT_MAX_BLOCKS_PER_NODE = 1 << 16
 
 

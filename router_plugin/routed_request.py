@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,7 @@ class RoutingContext:
     max_placements: int  # first placement + re-routes
     # A decode node believed to hold all but this many prompt tokens prefills them itself.
     local_prefill_tokens: int = 0
+    clock: Callable[[], float] = time.monotonic  # for the pool's telemetry ages
 
 
 @dataclass
@@ -155,7 +157,8 @@ class RoutedRequest:
     def _local_on(self, decode: PeerLink) -> bool:
         """Does ``decode`` hold all but a few prompt tokens (so it may prefill them itself)?"""
         limit = self.context.local_prefill_tokens
-        cached = self.context.pool.prefixes.cached_tokens(decode.node_id, self.blocks)
+        now = self.context.clock()
+        cached = self.context.pool.cached_prefix_tokens(decode.node_id, self.blocks, now)
         missing = len(self.request.prompt_tokens) - cached
         return limit > 0 and cached > 0 and missing <= limit
 
@@ -178,10 +181,16 @@ class RoutedRequest:
 
     def _request_frame(self, placement: Placement) -> Request:
         r = self.request
-        # To the prefill node with where to hand off; or to the decode node itself (local).
-        target = placement.decode.address if placement.prefill is not None else None
+        if placement.prefill is None:  # to the decode node itself: it prefills (local)
+            return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
+                           r.max_tokens, list(r.stop_token_ids))
+        # To the prefill node: where to hand off, and what that node holds already, so only
+        # the rest is shipped (a delta; a node that no longer holds it takes the whole cache).
+        decode = placement.decode.node_id
+        held = self.context.pool.cached_prefix_tokens(decode, self.blocks, self.context.clock())
         return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
-                       r.max_tokens, list(r.stop_token_ids), decode_target=target)
+                       r.max_tokens, list(r.stop_token_ids), placement.decode.address,
+                       decode_cached_tokens=held)
 
     # ------------------------------------------------------------ events
 

@@ -43,7 +43,7 @@ class PrefillSchedulerConfig:
     memory_threshold: float = 0.9
     max_queue_size: int = 256
     chunked_prefill_enabled: bool = True
-    chunk_size_tokens: int = 512
+    chunk_size_tokens: int = 128
     aging_rate_tokens_per_s: float = 100.0
     max_handoff_retries: int = 2
     # Budget for the whole handoff (all attempts) before the prefill copy is freed.

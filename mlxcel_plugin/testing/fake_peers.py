@@ -55,6 +55,7 @@ class FakeNode:
     bind: str = "127.0.0.1:0"
     secret: ClusterSecret | bytes = SECRET
     telemetry_interval_s: float = 0.2
+    prefix_cached_bytes: int = 0  # what its telemetry reports of a prefix cache
     server: LinkServer | None = None
     received: list[object] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -90,7 +91,8 @@ class FakeNode:
 
     async def _telemetry(self, link: Link) -> None:
         while not link.closed:  # ends with the link
-            report = Telemetry(self.node_id, self.role, active_sequences=self.active())
+            report = Telemetry(self.node_id, self.role, active_sequences=self.active(),
+                               prefix_cached_bytes=self.prefix_cached_bytes)
             await link.send(report.to_frame())
             await asyncio.sleep(self.telemetry_interval_s)
 

@@ -132,4 +132,4 @@ def test_the_shipped_prefix_cache_example_loads_as_documented():
     assert (prefix.max_bytes, prefix.reuse_generated, prefix.local_prefill_tokens) == (
         1024**3, False, 256)
     assert (config.prefill_balancer, config.decode_balancer) == ("prefix-aware", "prefix-aware")
-    assert config.section("router") == {"prefix_block_tokens": 512}
+    assert config.section("router") == {"prefix_block_tokens": 128}

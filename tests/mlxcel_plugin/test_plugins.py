@@ -72,7 +72,8 @@ def test_disable_and_allow_lists():
             "balancer": [],
         }),
         ("router", {
-            "balancer": ["least-loaded", "memory-aware", "prompt-length-aware", "round-robin"],
+            "balancer": ["least-loaded", "memory-aware", "prefix-aware", "prompt-length-aware",
+                         "round-robin"],
             "role": ["hybrid", "router"],
             "transfer_strategy": [], "kv_codec": [], "engine": [],
         }),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Collection, Sequence
 
 import pytest
@@ -127,18 +128,25 @@ def test_reroute_excludes_the_failed_node_up_to_the_contexts_limit() -> None:
 def test_a_decode_node_holding_the_prompt_serves_it_alone() -> None:
     async def main():
         r = await router()
-        prompt = tuple(range(100, 1400))  # two full 512-token blocks, then 276 more
+        prompt = tuple(range(100, 1400))  # 1,300 tokens: the index's blocks cover 1,280
         req = GenerationRequest("local", prompt, 50, stop_token_ids=(EOS,))
         pool = r.peers.pool
         pool.prefixes.record("decode-0", pool.prefixes.blocks(prompt))  # e.g. its last turn
         context = dataclasses.replace(r.context(), local_prefill_tokens=300)
+        # The router trusts its index only while the node reports a non-empty prefix cache.
+        blocks = pool.prefixes.blocks(prompt)
+        assert pool.cached_prefix_tokens("decode-0", blocks, time.monotonic()) == 0
+        r.decode.prefix_cached_bytes = 1 << 20
+        async with asyncio.timeout(5):
+            while not pool.cached_prefix_tokens("decode-0", blocks, time.monotonic()):
+                await asyncio.sleep(0.05)  # until its next telemetry report
         events = await run_request(RoutedRequest(context, req))
         assert [e.token_id for e in events] == echo_script(prompt)
         assert r.selections == [("decode", "local", set())]  # no prefill node chosen
         assert r.decode.local == ["local"] and not any(p.requests for p in r.prefills)
         assert r.stats.requests.local_prefills == 1
         # Missing more than the limit: a prefill node does it, as always.
-        narrow = dataclasses.replace(context, local_prefill_tokens=200)
+        narrow = dataclasses.replace(context, local_prefill_tokens=10)
         events = await run_request(RoutedRequest(narrow, replace_id(req, "remote")))
         assert [e.token_id for e in events] == echo_script(prompt)
         assert [p.requests[0].request_id for p in r.prefills if p.requests] == ["remote"]

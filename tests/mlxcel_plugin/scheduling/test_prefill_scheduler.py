@@ -126,7 +126,7 @@ def test_chunk_size_comes_from_the_engine_config():
     config = PrefillSchedulerConfig.from_engine_config(EngineConfig(chunk_size_tokens=256))
     assert config.chunk_size_tokens == 256
     overridden = PrefillSchedulerConfig.from_engine_config(EngineConfig(), max_queue_size=3)
-    assert (overridden.chunk_size_tokens, overridden.max_queue_size) == (512, 3)
+    assert (overridden.chunk_size_tokens, overridden.max_queue_size) == (128, 3)
 
 
 @pytest.mark.parametrize(
