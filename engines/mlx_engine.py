@@ -78,10 +78,11 @@ class MlxEngine:
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
         self._batch = DecodeBatch(model)
         self._speed = SpeedMeter()
-        self._stats = EngineStats(free_kv_fraction=1.0)
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, config)
+        # Before the first request too: a router trusts its prefix index for this node from it.
+        self._stats = EngineStats(free_kv_fraction=1.0, prefix_cache=self._prefix.stats())
         # Delta handoffs (engine_api.Engine): pins on the prefix cache, taken from any thread.
         self.reserve_prefix, self.release_prefix = self._prefix.pin, self._prefix.unpin
 

@@ -242,4 +242,5 @@ class PrefixCache:
             cached_bytes=self._lru.nbytes,
             entries=len(self._lru),
             evictions=self._evictions,
+            capacity_bytes=self.max_bytes,
         )

@@ -138,6 +138,7 @@ class PrefixCacheStats:
     cached_bytes: int = 0  # bytes held now (gauge)
     entries: int = 0
     evictions: int = 0  # entries dropped to stay in budget (counter)
+    capacity_bytes: int = 0  # the cache's bound; 0: the engine keeps no prefixes
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ def register_prefix_cache(registry: CollectorRegistry,
     registry.register(PrefixCacheCollector(read))
 
 
-def prefix_telemetry(stats: PrefixCacheStats) -> tuple[int, int, int, int]:
-    """The prefix fields of a node's ``Telemetry`` frame: hits, lookups, bytes, evictions."""
-    return stats.hit_tokens, stats.lookup_tokens, stats.cached_bytes, stats.evictions
+def prefix_telemetry(stats: PrefixCacheStats) -> tuple[int, int, int, int, int]:
+    """The prefix fields of a node's ``Telemetry`` frame: hits, lookups, bytes, evictions,
+    and the cache's bound (the router trusts its prefix index only for nodes that have one)."""
+    return (stats.hit_tokens, stats.lookup_tokens, stats.cached_bytes, stats.evictions,
+            stats.capacity_bytes)

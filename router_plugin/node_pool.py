@@ -39,6 +39,7 @@ class NodeTelemetry:
     prefix_lookup_tokens: int = 0
     prefix_cached_bytes: int = 0
     prefix_evictions: int = 0
+    prefix_capacity_bytes: int = 0
 
 
 @dataclass
@@ -184,9 +185,9 @@ class NodePool:
 
     def cached_prefix_tokens(self, node_id: str, blocks: Sequence[int], now: float) -> int:
         """Tokens of a prompt the node probably holds: the index's guess, while the node's
-        fresh telemetry says its prefix cache holds something (0 when it is off or empty)."""
+        fresh telemetry says it keeps a prefix cache (0 when it is off or unheard of)."""
         telemetry, _ = self._fresh_telemetry(self._nodes[node_id], now)
-        if telemetry.prefix_cached_bytes <= 0:
+        if telemetry.prefix_capacity_bytes <= 0:
             return 0
         return self.prefixes.cached_tokens(node_id, blocks)
 

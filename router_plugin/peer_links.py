@@ -268,7 +268,8 @@ class PeerLink:
         telemetry = NodeTelemetry(report.queue_depth, report.active_sequences,
                                   report.free_kv_fraction, report.tokens_per_s,
                                   report.prefix_hit_tokens, report.prefix_lookup_tokens,
-                                  report.prefix_cached_bytes, report.prefix_evictions)
+                                  report.prefix_cached_bytes, report.prefix_evictions,
+                                  report.prefix_capacity_bytes)
         self._pool.update_telemetry(self.node_id, telemetry, self._clock())
         self.on_change()
 

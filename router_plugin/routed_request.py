@@ -82,6 +82,8 @@ class Placement:
     # "done": that side holds nothing more for this attempt (finished, failed or gone).
     prefill_done: bool = False
     decode_done: bool = False
+    # Prompt tokens the decode node was believed to hold when placed (before this request).
+    decode_held_tokens: int = 0
 
     def sides(self) -> list[tuple[PeerLink, bool]]:
         """(node, done) for each node serving this attempt."""
@@ -134,12 +136,14 @@ class RoutedRequest:
                            self.request.max_tokens)
         select, excluded = self.context.select, self.excluded
         decode = await select(DECODE, info, excluded, self.blocks)
+        held = self.context.pool.cached_prefix_tokens(decode.node_id, self.blocks,
+                                                      self.context.clock())
         prefill = None
-        if not self._local_on(decode):
+        if not self._local_on(held):
             prefill = await select(PREFILL, info, excluded, self.blocks)
         attempt = self.bridge.attempt
         placement = Placement(attempt, wire_id(self.request.request_id, attempt), prefill, decode,
-                              prefill_done=prefill is None)
+                              prefill_done=prefill is None, decode_held_tokens=held)
         self.placement = placement
         for peer, _ in placement.sides():
             peer.register(placement.wire_id, self._sink(attempt))
@@ -154,13 +158,11 @@ class RoutedRequest:
         await self._send(placement, prefill, self._request_frame(placement))
         await self._send(placement, decode, self._claim_frame(placement))
 
-    def _local_on(self, decode: PeerLink) -> bool:
-        """Does ``decode`` hold all but a few prompt tokens (so it may prefill them itself)?"""
+    def _local_on(self, held: int) -> bool:
+        """Does the decode node, holding ``held`` prompt tokens, lack few enough to prefill?"""
         limit = self.context.local_prefill_tokens
-        now = self.context.clock()
-        cached = self.context.pool.cached_prefix_tokens(decode.node_id, self.blocks, now)
-        missing = len(self.request.prompt_tokens) - cached
-        return limit > 0 and cached > 0 and missing <= limit
+        missing = len(self.request.prompt_tokens) - held
+        return limit > 0 and held > 0 and missing <= limit
 
     def _sink(self, attempt: int) -> Callable[[PeerEvent], None]:
         inbox = self.inbox
@@ -186,11 +188,9 @@ class RoutedRequest:
                            r.max_tokens, list(r.stop_token_ids))
         # To the prefill node: where to hand off, and what that node holds already, so only
         # the rest is shipped (a delta; a node that no longer holds it takes the whole cache).
-        decode = placement.decode.node_id
-        held = self.context.pool.cached_prefix_tokens(decode, self.blocks, self.context.clock())
         return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
                        r.max_tokens, list(r.stop_token_ids), placement.decode.address,
-                       decode_cached_tokens=held)
+                       decode_cached_tokens=placement.decode_held_tokens)
 
     # ------------------------------------------------------------ events
 

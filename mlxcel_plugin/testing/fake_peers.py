@@ -56,6 +56,7 @@ class FakeNode:
     secret: ClusterSecret | bytes = SECRET
     telemetry_interval_s: float = 0.2
     prefix_cached_bytes: int = 0  # what its telemetry reports of a prefix cache
+    prefix_capacity_bytes: int = 0
     server: LinkServer | None = None
     received: list[object] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -92,7 +93,8 @@ class FakeNode:
     async def _telemetry(self, link: Link) -> None:
         while not link.closed:  # ends with the link
             report = Telemetry(self.node_id, self.role, active_sequences=self.active(),
-                               prefix_cached_bytes=self.prefix_cached_bytes)
+                               prefix_cached_bytes=self.prefix_cached_bytes,
+                               prefix_capacity_bytes=self.prefix_capacity_bytes)
             await link.send(report.to_frame())
             await asyncio.sleep(self.telemetry_interval_s)
 

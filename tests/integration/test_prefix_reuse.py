@@ -25,7 +25,7 @@ SYSTEM = " ".join(f"Rule {i}: answer with care about topic {i * 7 % 31}." for i 
 pytestmark = pytest.mark.timeout(900)
 
 
-def conversation(base_url: str) -> list[tuple[str, int]]:
+def conversation(base_url: str, after_turn=lambda: None) -> list[tuple[str, int]]:
     """(reply, cached prompt tokens) per turn; each turn carries the whole history."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
                            timeout=300)
@@ -39,6 +39,7 @@ def conversation(base_url: str) -> list[tuple[str, int]]:
         details = response.usage.prompt_tokens_details
         turns.append((reply, details.cached_tokens if details else 0))
         messages.append({"role": "assistant", "content": reply})
+        after_turn()
     return turns
 
 
@@ -93,9 +94,15 @@ def test_cluster_through_prefill_nodes_matches_cache_off(tiny_model_path, tmp_pa
                                                          reference) -> None:
     cluster = start_cluster(tmp_path, str(tiny_model_path), local_prefill_tokens=0)
     try:
-        turns = conversation(cluster.router.url)
         prefill = cluster.pool("prefill")[0]
+        shipped: list[float] = []  # KV bytes the prefill node handed off, after each turn
+        turns = conversation(cluster.router.url, lambda: shipped.append(
+            counter(prefill.url, "mlxcel:handoff_bytes_sum")))
         assert [reply for reply, _ in turns] == reference
+        # Turn 1 ships the whole cache; later turns only what the decode node lacks (delta).
+        per_turn = [b - a for a, b in zip([0.0, *shipped], shipped, strict=False)]
+        assert per_turn[0] > 0 and all(0 < b < 0.5 * per_turn[0] for b in per_turn[1:]), per_turn
+        assert counter(prefill.url, "mlxcel:handoff_prefix_missing_total") == 0
         assert all(cached > 0 for _, cached in turns[1:])
         assert counter(prefill.url, "mlxcel:prefix_cache_hit_tokens_total") > 0
         assert counter(cluster.router.url, "mlxcel:prompt_cached_tokens_total") > 0

@@ -118,6 +118,7 @@ def test_stats_redact_addresses_and_errors_unless_verbose():
         "prefix_lookup_tokens": 0,
         "prefix_cached_bytes": 0,
         "prefix_evictions": 0,
+        "prefix_capacity_bytes": 0,
         "age_s": 1.0,
     }
     verbose = pool.stats(now=4.0, verbose=True)

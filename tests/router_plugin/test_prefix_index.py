@@ -36,9 +36,9 @@ def test_a_node_that_drops_its_link_is_forgotten():
     pool = NodePool.from_peers(["10.0.0.1:1"], ["10.0.0.2:1"], prefixes=PrefixIndex(4))
     blocks = pool.prefixes.blocks(list(range(20)))
     pool.prefixes.record("decode-0", blocks)
-    # No report of a non-empty prefix cache (off, or just restarted): no guess either.
+    # No report of a prefix cache (off, or not heard from yet): no guess either.
     assert pool.views("decode", 0.0, blocks)[0].cached_prefix_tokens == 0
-    pool.update_telemetry("decode-0", NodeTelemetry(prefix_cached_bytes=4096), now=0.0)
+    pool.update_telemetry("decode-0", NodeTelemetry(prefix_capacity_bytes=1 << 30), now=0.0)
     view = pool.views("decode", 0.5, blocks)[0]
     assert view.cached_prefix_tokens == 16
     pool.mark_unreachable("decode-0", 1.0, "link lost")  # it may come back restarted, empty

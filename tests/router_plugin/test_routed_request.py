@@ -136,7 +136,7 @@ def test_a_decode_node_holding_the_prompt_serves_it_alone() -> None:
         # The router trusts its index only while the node reports a non-empty prefix cache.
         blocks = pool.prefixes.blocks(prompt)
         assert pool.cached_prefix_tokens("decode-0", blocks, time.monotonic()) == 0
-        r.decode.prefix_cached_bytes = 1 << 20
+        r.decode.prefix_capacity_bytes = 1 << 30
         async with asyncio.timeout(5):
             while not pool.cached_prefix_tokens("decode-0", blocks, time.monotonic()):
                 await asyncio.sleep(0.05)  # until its next telemetry report

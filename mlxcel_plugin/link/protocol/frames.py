@@ -210,10 +210,12 @@ class Telemetry:
     prefix_lookup_tokens: int = 0
     prefix_cached_bytes: int = 0
     prefix_evictions: int = 0
+    prefix_capacity_bytes: int = 0  # 0: the node keeps no prefix cache
 
     TYPE: ClassVar[FrameType] = FrameType.TELEMETRY
     _PREFIX_FIELDS: ClassVar[tuple[str, ...]] = (
         "prefix_hit_tokens", "prefix_lookup_tokens", "prefix_cached_bytes", "prefix_evictions",
+        "prefix_capacity_bytes",
     )
 
     def to_frame(self) -> Frame:

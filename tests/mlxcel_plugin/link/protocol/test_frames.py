@@ -62,7 +62,7 @@ def round_trip(obj):
     Result("r1", 0, [7], None, 1, None, cached_tokens=1024),
     Cancel("r1", "client went away"),
     Telemetry("d1", "decode", 3, 10, 0.5, 123.4),
-    Telemetry("p1", "prefill", 0, 1, 0.9, 10.0, 2048, 4096, 1 << 20, 3),
+    Telemetry("p1", "prefill", 0, 1, 0.9, 10.0, 2048, 4096, 1 << 20, 3, 1 << 30),
     Ping(42, 1.5),
     ErrorFrame("at_capacity", "busy", "r1"),
 ])
