@@ -28,3 +28,16 @@ def smollm2_model_path() -> Path:
     from engines.model_store import ensure_default_model
 
     return ensure_default_model(root=model_cache_root())
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tiny_model_path) -> str:
+    """SmolLM2's tokenizer and chat template, from the tiny checkpoint (no weights read)."""
+    return str(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def text_tokenizer(tokenizer_dir: str):
+    from mlxcel_plugin.text import TextTokenizer
+
+    return TextTokenizer.from_dir(tokenizer_dir)

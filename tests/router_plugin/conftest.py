@@ -1,4 +1,4 @@
-"""Fixtures for the front: SmolLM2's tokenizer (from the tiny checkpoint) and a scripted engine."""
+"""Fixtures for the front: a scripted engine (the tokenizer fixtures are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,6 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from mlxcel_plugin.testing.fake_engine import FakeEngine, Script
-from mlxcel_plugin.text import TextTokenizer
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tiny_model_path) -> str:
-    return str(tiny_model_path)
-
-
-@pytest.fixture(scope="session")
-def text_tokenizer(tokenizer_dir: str) -> TextTokenizer:
-    return TextTokenizer.from_dir(tokenizer_dir)
 
 
 @pytest.fixture
