@@ -455,15 +455,17 @@ def start_hybrid(
 
 
 def start_cluster(
-    model: str, workdir: Path, timeout_s: float = 300.0, extra_args: Sequence[str] = ()
+    model: str, workdir: Path, timeout_s: float = 300.0, extra_args: Sequence[str] = (),
+    nodes_per_pool: int = 1,
 ) -> LocalCluster:
-    """Router + one prefill + one decode node (LocalCluster stops them if one fails).
+    """Router + ``nodes_per_pool`` prefill and decode nodes (stopped if one fails).
 
     ``extra_args``: more CLI flags for every node of the cluster, the router included.
     """
     from mlxcel_plugin.local_cluster import LocalCluster
 
-    cluster = LocalCluster(workdir=workdir, model=model, common_args=list(extra_args))
+    cluster = LocalCluster(workdir=workdir, model=model, common_args=list(extra_args),
+                           prefill_count=nodes_per_pool, decode_count=nodes_per_pool)
     return cluster.start(timeout_s)
 
 

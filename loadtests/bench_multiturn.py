@@ -93,14 +93,18 @@ class ServerSpec:
 
     kind: str  # "mlx_lm", "hybrid" or "cluster"
     cache: str = "on"  # "off", "on" (exact) or "reuse" (reuse_generated = true)
+    nodes_per_pool: int = 1  # cluster: prefill and decode nodes each
+    balancer: str | None = None  # cluster: both pools' balancer (None: the default)
 
     def node_args(self, workdir: Path) -> list[str]:
+        balancer = self.balancer
+        picks = ["--prefill-balancer", balancer, "--decode-balancer", balancer] if balancer else []
         if self.cache == "off":
-            return ["--prefix-cache-bytes", "0"]
+            return ["--prefix-cache-bytes", "0", *picks]
         if self.cache == "reuse":
             sections = {"prefix_cache": {"reuse_generated": True}}
-            return write_toml_config(workdir / "prefix-cache.toml", sections)
-        return []
+            return [*write_toml_config(workdir / "prefix-cache.toml", sections), *picks]
+        return picks
 
 
 SERVERS = {
@@ -111,6 +115,9 @@ SERVERS = {
     "cluster-off": ServerSpec("cluster", "off"),
     "cluster-on": ServerSpec("cluster", "on"),
     "cluster-reuse": ServerSpec("cluster", "reuse"),
+    # Two nodes per pool: does following the cached prefix beat spreading turns?
+    "cluster2-rr": ServerSpec("cluster", "on", 2, "round-robin"),
+    "cluster2-prefix": ServerSpec("cluster", "on", 2, "prefix-aware"),
 }
 DEFAULT_SERVERS = "mlx_lm,hybrid-off,hybrid-on,hybrid-reuse,cluster-off,cluster-on"
 
@@ -132,7 +139,7 @@ def serving(spec: ServerSpec, model: str, workdir: Path) -> Iterator[Endpoint]:
     workdir.mkdir(parents=True, exist_ok=True)
     args = spec.node_args(workdir)
     if spec.kind == "cluster":
-        cluster = start_cluster(model, workdir, START_TIMEOUT_S, args)
+        cluster = start_cluster(model, workdir, START_TIMEOUT_S, args, spec.nodes_per_pool)
         try:
             engines = tuple(n.url for n in cluster.pool("prefill") + cluster.pool("decode"))
             prefill = tuple(n.url for n in cluster.pool("prefill"))

@@ -35,8 +35,8 @@ class ServerConfig:
     cluster_secret_file: str | None = None
     distributed_config: str | None = None
     warmup: bool = True
-    prefill_balancer: str = "round-robin"
-    decode_balancer: str = "round-robin"
+    prefill_balancer: str = "prefix-aware"
+    decode_balancer: str = "prefix-aware"
     log_level: str = "info"
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).

@@ -39,7 +39,9 @@ def fake_model_dir(root: Path, tiny: Path, **knobs: float) -> str:
 
 def start_cluster(workdir: Path, model: str, *, engine: str, prefill: int, decode: int,
                   toml: str | None = None) -> LocalCluster:
-    args = ["--engine", engine, "--served-model-name", MODEL, "--no-warmup"]
+    # Round robin: the fault tests count on back-to-back requests landing on different nodes.
+    args = ["--engine", engine, "--served-model-name", MODEL, "--no-warmup",
+            "--prefill-balancer", "round-robin", "--decode-balancer", "round-robin"]
     if toml is not None:
         path = workdir / "cluster.toml"
         workdir.mkdir(parents=True, exist_ok=True)
