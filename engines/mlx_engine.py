@@ -20,7 +20,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
@@ -270,9 +269,6 @@ class MlxEngine:
             self._run_prefill_only(job)
 
     def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
-        if on_layer is not None:
-            # Refuse before computing anything a decode node could not take.
-            kv_convert.check_cache_kinds(make_prompt_cache(self.model))
         done = prefill_request(
             self.model, request, self._prefix, self.config, self.info.vocab_size, on_layer
         )

@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.prefix_cache import PrefixCache
 from engines.sampling import TokenSampler
@@ -92,6 +93,8 @@ def prefill_request(
     prompt = request.prompt_tokens
     reused = prefix.lookup(prompt) if prefix.enabled else None
     caches = reused.caches if reused and reused.caches else make_prompt_cache(model)
+    if on_layer is not None:  # the prefill role: refuse what no decode node could take
+        kv_convert.check_cache_kinds(caches)  # before computing anything
     logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer)
     prefix.store_prompt(prompt, caches)
     sampler = TokenSampler(request.sampling, prompt, vocab_size)

@@ -232,9 +232,6 @@ class PrefixCache:
             return False
         return entry.prompt_cache is pin.caches
 
-    def clear(self) -> None:
-        self.evict_to(0)
-
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
             hit_tokens=self._hit_tokens,

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from mlxcel_plugin.errors import HandshakeError, NodeLostError
 from mlxcel_plugin.link import RETRYABLE, Backoff, ClusterSecret, Link, LinkConfig, dial_link
@@ -265,11 +265,9 @@ class PeerLink:
                                                   code=error.code))
 
     def _telemetry(self, report: Telemetry) -> None:
-        telemetry = NodeTelemetry(report.queue_depth, report.active_sequences,
-                                  report.free_kv_fraction, report.tokens_per_s,
-                                  report.prefix_hit_tokens, report.prefix_lookup_tokens,
-                                  report.prefix_cached_bytes, report.prefix_evictions,
-                                  report.prefix_capacity_bytes)
+        # NodeTelemetry keeps the report's load fields under the same names.
+        telemetry = NodeTelemetry(**{f.name: getattr(report, f.name)
+                                     for f in fields(NodeTelemetry)})
         self._pool.update_telemetry(self.node_id, telemetry, self._clock())
         self.on_change()
 

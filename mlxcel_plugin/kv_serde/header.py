@@ -62,6 +62,10 @@ class ModelFingerprint:
     def tensor_bytes(self, tokens: int) -> int:
         return self.kv_heads * tokens * self.row_bytes
 
+    def kv_bytes(self, tokens: int) -> int:
+        """K and V of every layer for ``tokens`` positions."""
+        return self.num_layers * 2 * self.tensor_bytes(tokens)
+
     def to_dict(self) -> dict[str, Any]:
         data = {
             "architecture": self.architecture,

@@ -212,9 +212,7 @@ class DecodeNode:
 
     def _on_local_request(self, outbox: Outbox, request: GenerationRequest) -> None:
         """Prefill here (the prompt is mostly cached) and decode; admitted like a handoff."""
-        fp = self.fingerprint
-        kv_bytes = fp.num_layers * 2 * fp.tensor_bytes(
-            len(request.prompt_tokens) + request.max_tokens)
+        kv_bytes = self.fingerprint.kv_bytes(len(request.prompt_tokens) + request.max_tokens)
         self._ended.pop(request.request_id, None)
         self.scheduler.offer(request.request_id, UNCLAIMED, kv_bytes)
         self.local[request.request_id] = (_Claim(outbox), request)
@@ -228,9 +226,8 @@ class DecodeNode:
         if request_id in self._ended or request_id in self.live:
             raise UnknownRequest(f"request {request_id} is not awaiting KV (ended or cancelled)")
         self._pin_prefix(header)
-        fp = header.fingerprint  # a delta's spliced cache is as large as a full one
-        kv_bytes = fp.num_layers * 2 * fp.tensor_bytes(
-            header.prompt_length + header.sampling.max_tokens)
+        # A delta's spliced cache is as large as a full one.
+        kv_bytes = header.fingerprint.kv_bytes(header.prompt_length + header.sampling.max_tokens)
         self.ready.pop(request_id, None)
         try:
             self.scheduler.offer(request_id, UNCLAIMED, kv_bytes, header.epoch)

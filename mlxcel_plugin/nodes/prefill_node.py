@@ -223,8 +223,7 @@ class PrefillNode:
 
     def _begin_handoff(self, job: _Job, epoch: int, streaming: bool,
                        first_token: int = 0) -> OutgoingHandoff:
-        payload = self.fingerprint.num_layers * 2 * self.fingerprint.tensor_bytes(
-            len(job.request.prompt_tokens) - job.prefix_tokens)
+        payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
         choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
                                       lanes_available=self.parts.transfer_config.parallelism,
                                       can_stream=streaming)
