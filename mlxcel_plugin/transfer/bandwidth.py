@@ -21,7 +21,10 @@ class BandwidthEstimator:
 
     Small transfers are ignored: latency, not bandwidth, dominates them. An
     estimate older than ``stale_after_s`` is dropped — links and load change,
-    and a stale number is worse than the selector's prior.
+    and a stale number is worse than the selector's prior. A sample more than
+    ``jump_factor`` away from the estimate (either way) replaces it: the link
+    changed (a rate cut, a congested path), and averaging would take a dozen
+    mis-planned handoffs to notice.
     """
 
     def __init__(
@@ -30,11 +33,13 @@ class BandwidthEstimator:
         alpha: float = 0.3,
         min_sample_bytes: int = 256 * 1024,
         stale_after_s: float = 600.0,
+        jump_factor: float = 4.0,
         clock: Clock = time.monotonic,
     ):
         self.alpha = alpha
         self.min_sample_bytes = min_sample_bytes
         self.stale_after_s = stale_after_s
+        self.jump_factor = jump_factor
         self.clock = clock
         self._peers: dict[str, _PeerEstimate] = {}
 
@@ -44,12 +49,15 @@ class BandwidthEstimator:
         sample = nbytes / seconds
         now = self.clock()
         current = self._fresh(peer, now)
-        if current is None:
+        if current is None or self._jumped(current.bytes_per_s, sample):
             self._peers[peer] = _PeerEstimate(sample, 1, now)
             return
         current.bytes_per_s += self.alpha * (sample - current.bytes_per_s)
         current.samples += 1
         current.updated_at = now
+
+    def _jumped(self, estimate: float, sample: float) -> bool:
+        return sample > estimate * self.jump_factor or sample * self.jump_factor < estimate
 
     def estimate(self, peer: str) -> float | None:
         """Bytes/s to ``peer``, or None before any (fresh) measurement."""

@@ -73,6 +73,18 @@ def test_estimator_starts_unknown_then_follows_an_ewma():
     assert estimator.estimate("d2") is None
 
 
+def test_estimator_follows_a_changed_link_at_once():
+    estimator = BandwidthEstimator(alpha=0.3, jump_factor=4.0, clock=FakeClock())
+    estimator.observe("d1", 1000 * MB, 1.0)
+    estimator.observe("d1", 300 * MB, 1.0)  # within the factor: averaged
+    assert estimator.estimate("d1") == pytest.approx(790 * MB)
+    estimator.observe("d1", 100 * MB, 1.0)  # a rate cut: replaces the estimate
+    assert estimator.estimate("d1") == 100 * MB
+    assert estimator.snapshot()["d1"]["samples"] == 1
+    estimator.observe("d1", 500 * MB, 1.0)  # and back up
+    assert estimator.estimate("d1") == 500 * MB
+
+
 def test_estimator_ignores_latency_bound_samples():
     estimator = BandwidthEstimator(min_sample_bytes=1 * MB, clock=FakeClock())
     estimator.observe("d1", 1000, 0.000001)
