@@ -14,6 +14,15 @@ install_openblas() {
     || echo "note: could not install libopenblas0-pthread; running without OpenBLAS" >&2
 }
 
+install_iproute2() {
+  # tests/integration/netns/ build namespaces and shape links with ip and tc (as root only).
+  [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] || return 0
+  command -v ip >/dev/null && command -v tc >/dev/null && return 0
+  command -v apt-get >/dev/null || return 0
+  apt-get update -qq >/dev/null && apt-get install -y -qq iproute2 >/dev/null \
+    || echo "note: could not install iproute2; the netns tests will skip" >&2
+}
+
 pick_python() {
   for candidate in "${PYTHON:-}" python3 python3.13 python3.12 python3.11; do
     [ -n "$candidate" ] || continue
@@ -36,6 +45,7 @@ pip_install() {
 }
 
 install_openblas
+install_iproute2
 [ -x .venv/bin/python ] || "$(pick_python)" -m venv .venv
 pip_install --upgrade pip
 pip_install -e ".[test]"

@@ -1,0 +1,64 @@
+"""A link slowed down mid-run, and the adaptive selector following it.
+
+The prefill node leaves the codec to the selector (``codec = "auto"``, lossless
+candidates only) and sends whole caches (``full``), so every handoff measures
+the link. Fake engine with a larger cache (16 KiB per token, highly
+compressible: each row repeats one value), prompts of 400 tokens (6.5 MB).
+At 10 Gbit/s raw bytes are the fastest; after ``tc`` cuts the link to
+40 Mbit/s, one handoff measures the new rate and the next one compresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+from mlxcel_plugin.engine_api import GenerationRequest
+from mlxcel_plugin.testing.fake_engine import expected_tokens
+from mlxcel_plugin.testing.link_driver import LinkDriver
+from tests.integration.netns.conftest import GBIT, fake_model_dir, netns_cluster
+
+PROMPT = tuple(range(100, 500))
+SLOW_BITS_PER_S = 40e6
+TOML = '[transfer]\nstrategy = "full"\ncodec = "auto"\n'
+
+
+def last_choice(node) -> dict:
+    with urllib.request.urlopen(f"{node.url}/health", timeout=5) as response:
+        return json.loads(response.read())["transfer"]["last_choice"]
+
+
+def test_the_selector_compresses_once_the_link_slows_down(tmp_path):
+    model = ["--engine", "fake", "--no-warmup", "--model",
+             fake_model_dir(tmp_path / "fake", num_layers=8, kv_heads=4, head_dim=64)]
+    with netns_cluster(tmp_path, ("prefill", "decode"), 10 * GBIT) as nodes:
+        decode = nodes.start("decode", "decode", "decode", model)
+        prefill = nodes.start("prefill", "prefill", "prefill", model, TOML)
+        nodes.wait_all(60)
+        choices, outcomes = [], []
+
+        async def handoff(driver: LinkDriver, request_id: str) -> None:
+            outcomes.append(await driver.generate(request_id, PROMPT, 3))
+            choices.append(last_choice(prefill))
+
+        async def go() -> None:
+            async with LinkDriver(nodes.secret, prefill.serving_bind,
+                                  decode.serving_bind) as driver:
+                await handoff(driver, "fast-1")
+                await handoff(driver, "fast-2")
+                for host in ("prefill", "decode"):
+                    nodes.net.set_rate(host, SLOW_BITS_PER_S)
+                await handoff(driver, "slow-1")  # planned with the old estimate
+                await handoff(driver, "slow-2")
+
+        asyncio.run(go())
+
+    for outcome in outcomes:
+        assert outcome.tokens == expected_tokens(GenerationRequest("x", PROMPT, 3)), outcome
+    assert [c["codec"] for c in choices[:3]] == ["none"] * 3
+    assert choices[2]["bandwidth_bytes_per_s"] > SLOW_BITS_PER_S / 8 * 4
+    slow = choices[3]
+    assert slow["bandwidth_source"] == "measured"
+    assert slow["bandwidth_bytes_per_s"] <= SLOW_BITS_PER_S / 8 * 1.1
+    assert slow["codec"] in ("lz4", "shuffle+lz4"), slow
