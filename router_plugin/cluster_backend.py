@@ -25,6 +25,7 @@ from mlxcel_plugin.engine_api import GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import NoHealthyNodeError
 from router_plugin.admission import ADMIT, REJECT, AdmissionController, pool_utilization
 from router_plugin.health import HealthMonitor
+from router_plugin.migration import DEFAULT_MAX_MIGRATIONS, DEFAULT_TOKEN_TIMEOUT_S
 from router_plugin.peer_links import PeerLink, PeerLinks
 from router_plugin.prefix_index import DEFAULT_BLOCK_TOKENS
 from router_plugin.routed_request import RoutedRequest, RoutingContext
@@ -38,6 +39,10 @@ class RouterConfig:
 
     seed: int = 0  # feeds the balancers' RNGs
     max_placements: int = 3  # first placement + re-routes, per request
+    # Mid-stream migrations per request (docs/cluster-flow.md, "Migration").
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    # Once streaming, this long without a token migrates the request; 0 turns it off.
+    token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
     # The prefix index's block: the nodes' prefill chunk ([engine] chunk_size_tokens).
     prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
 
@@ -61,7 +66,8 @@ class ClusterBackend:
                                       on_load_change=self.on_load_change,
                                       max_placements=config.max_placements,
                                       local_prefill_tokens=local_prefill_tokens,
-                                      clock=clock)
+                                      clock=clock, max_migrations=config.max_migrations,
+                                      token_timeout_s=config.token_timeout_s)
         peers.set_on_change(self.on_load_change)
 
     # ------------------------------------------------------------ TokenBackend

@@ -13,9 +13,10 @@ request, then turns node events into ``TokenEvent`` batches (``index`` = seq);
 
 Faults: a node lost (or at capacity) before the client saw a token → the
 request is placed again (a new wire id, so late frames of the old attempt
-cannot leak in; the old claim is cancelled); ``D`` lost mid-stream → one error
-event, then the stream ends; ``P`` lost after seq 0 → ``D`` carries on (it
-errors the claim itself if the KV never arrives). The iterator closed early
+cannot leak in; the old claim is cancelled); a node lost, failed or silent for
+``token_timeout_s`` after it → the request migrates (``migration.py``: prompt +
+streamed tokens on a new pair, up to ``max_migrations``, then one error event);
+``P`` lost once ``D`` streams → ``D`` carries on. The iterator closed early
 (client gone, stop string) → CANCEL to whichever side is still working.
 """
 
@@ -33,15 +34,31 @@ from mlxcel_plugin.errors import (
     AtCapacityError,
     ContextLengthError,
     InvalidRequestError,
+    MlxcelError,
     NodeLostError,
     NoHealthyNodeError,
 )
 from mlxcel_plugin.link.protocol.frames import Request
-from router_plugin.backend import next_batch
+from router_plugin.migration import (
+    DEFAULT_MAX_MIGRATIONS,
+    DEFAULT_TOKEN_TIMEOUT_S,
+    TOKEN_TIMEOUT_CODE,
+    MigrationLedger,
+    moves_request,
+    next_batch_within,
+    stall_event,
+)
 from router_plugin.node_pool import NodePool
 from router_plugin.peer_links import PeerEvent, PeerLink
 from router_plugin.stats import RouterStats
-from router_plugin.stream_bridge import DECODE, PREFILL, BridgeOutput, ResultEvent, StreamBridge
+from router_plugin.stream_bridge import (
+    DECODE,
+    PREFILL,
+    BridgeOutput,
+    BridgeState,
+    ResultEvent,
+    StreamBridge,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +86,8 @@ class RoutingContext:
     # A decode node believed to hold all but this many prompt tokens prefills them itself.
     local_prefill_tokens: int = 0
     clock: Callable[[], float] = time.monotonic  # for the pool's telemetry ages
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS  # moves after the client saw a token
+    token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S  # once streaming, silence migrates; 0: off
 
 
 @dataclass
@@ -84,6 +103,7 @@ class Placement:
     decode_done: bool = False
     # Prompt tokens the decode node was believed to hold when placed (before this request).
     decode_held_tokens: int = 0
+    released: bool = False  # its routes freed and its nodes' counts given back
 
     def sides(self) -> list[tuple[PeerLink, bool]]:
         """(node, done) for each node serving this attempt."""
@@ -101,7 +121,9 @@ class RoutedRequest:
 
     def __init__(self, context: RoutingContext, request: GenerationRequest):
         self.context = context
-        self.request = request
+        self.request = request  # the current attempt's: a migration extends its prompt
+        self.ledger = MigrationLedger(request, context.max_migrations)
+        self.resumed_at_s: float | None = None  # set while a migrated attempt awaits a token
         self.blocks = context.pool.prefixes.blocks(request.prompt_tokens)  # prefix index keys
         self.bridge = StreamBridge()
         self.inbox: asyncio.Queue[tuple[int, PeerEvent]] = asyncio.Queue()
@@ -118,7 +140,7 @@ class RoutedRequest:
             await self._place()
             while not self.bridge.complete:  # ends with the bridge's one terminal output
                 batch: list[TokenEvent] = []
-                for attempt, event in await next_batch(self.inbox):
+                for attempt, event in await self._next_events():
                     if attempt != self.placement.attempt:
                         continue  # queued before a re-route; the attempt it belongs to is gone
                     for output in await self._on_event(event):
@@ -128,6 +150,17 @@ class RoutedRequest:
         except AtCapacityError:
             self.refused = True  # raised before any token: the client gets 503 + Retry-After
             raise
+
+    async def _next_events(self) -> list[tuple[int, PeerEvent]]:
+        """The inbox's next batch; once streaming, a stall becomes a failure event."""
+        timeout_s = self.context.token_timeout_s if self.bridge.emitted_any_token else 0.0
+        events = await next_batch_within(self.inbox, timeout_s or None)
+        if events is not None:
+            return events
+        placement = self.placement
+        prefill = None if placement.prefill is None else placement.prefill.node_id
+        return [(placement.attempt, stall_event(prefill, placement.decode.node_id,
+                                                self.bridge.attempt_started, timeout_s))]
 
     # ------------------------------------------------------------ placement
 
@@ -196,13 +229,16 @@ class RoutedRequest:
 
     async def _on_event(self, event: PeerEvent) -> list[BridgeOutput]:
         placement = self.placement
+        if self.bridge.complete:
+            return []  # after the terminal (a failed migration), nothing more matters
         if event.source == DECODE:
             placement.prefill_done = True  # D has the KV (or P's part no longer matters)
         if event.lost or event.error is not None:
-            self._side_done(event.source)
+            if event.code != TOKEN_TIMEOUT_CODE:  # a silent node still works: cancel it
+                self._side_done(event.source)
             return await self._on_failure(event)
         result = event.result
-        if result.seq == 0:
+        if result.seq == 0 and not self.bridge.emitted_any_token:
             self.cached_tokens = result.cached_tokens  # reported with the first token
         if result.finish_reason is not None:
             self._side_done(event.source)
@@ -216,22 +252,55 @@ class RoutedRequest:
         if not had_token and self.bridge.emitted_any_token:
             self.context.stats.active_prefills -= 1
             self.context.stats.active_decodes += 1
+        for output in outputs:
+            self.ledger.record(output.token_ids)
+        if self.resumed_at_s is not None and self.bridge.attempt_started:
+            self.context.stats.observe_migration_resume(self.context.clock() - self.resumed_at_s)
+            self.resumed_at_s = None
         return outputs
 
     async def _on_failure(self, event: PeerEvent) -> list[BridgeOutput]:
+        if self.bridge.emitted_any_token:
+            return await self._on_failure_while_streaming(event)
         if self.bridge.can_reroute and self._worth_rerouting(event):
             await self._reroute(event.node_id)
             return []
-        if event.lost and event.source == PREFILL and self.bridge.emitted_any_token:
-            return []  # D owns the sequence now; it errors the claim if the KV never came
-        if event.code in CLIENT_ERRORS and not self.bridge.emitted_any_token:
+        if event.code in CLIENT_ERRORS:
             raise CLIENT_ERRORS[event.code](f"{event.node_id} refused the request: {event.error}")
-        if event.code in AT_CAPACITY_CODES and not self.bridge.emitted_any_token:
+        if event.code in AT_CAPACITY_CODES:
             raise AtCapacityError(f"{event.node_id} at capacity: {event.error}")
+        return self._end_with(event)
+
+    async def _on_failure_while_streaming(self, event: PeerEvent) -> list[BridgeOutput]:
+        if event.lost and event.source == PREFILL and self.bridge.state is BridgeState.DECODING:
+            return []  # D streams this attempt: it owns the sequence now
+        if self.ledger.can_migrate and moves_request(event, CLIENT_ERRORS):
+            return await self._migrate(event)
+        return self._end_with(event)
+
+    def _end_with(self, event: PeerEvent) -> list[BridgeOutput]:
+        """One error terminal for a failure nothing can cure."""
         if event.lost:
             return self.bridge.node_lost(event.source)
-        return self.bridge.feed(ResultEvent(event.source, self.bridge.next_seq,
-                                            error=event.error, attempt=self.bridge.attempt))
+        return self.bridge.finish(FINISH_ERROR, event.error or f"{event.source} node failed")
+
+    async def _migrate(self, event: PeerEvent) -> list[BridgeOutput]:
+        """Continue on a new pair: prompt + streamed tokens, the rest of the budget."""
+        logger.info("migrating %s after %d tokens: %s (%s)", self.request.request_id,
+                    len(self.ledger.generated), event.node_id, event.error)
+        self.excluded.add(event.node_id)
+        await self._release(self.placement, "migrated")
+        self.request = self.ledger.next_request()
+        self.blocks = self.context.pool.prefixes.blocks(self.request.prompt_tokens)
+        self.bridge.resume()
+        self.context.stats.requests.migrated += 1
+        self.resumed_at_s = self.context.clock()
+        try:
+            await self._place()
+        except MlxcelError as exc:  # no healthy pair left (or none with room)
+            logger.warning("%s cannot migrate: %s", self.request.request_id, exc.message)
+            return self.bridge.finish(FINISH_ERROR, f"{event.error}; no node to migrate to")
+        return []
 
     def _worth_rerouting(self, event: PeerEvent) -> bool:
         if self.bridge.attempt + 1 >= self.context.max_placements:
@@ -281,6 +350,9 @@ class RoutedRequest:
         self._count_outcome()
 
     async def _release(self, placement: Placement, reason: str) -> None:
+        if placement.released:
+            return  # a re-placement that failed left it released already
+        placement.released = True
         for peer, done in placement.sides():
             peer.unregister(placement.wire_id)
             self.context.pool.on_finish(peer.node_id)

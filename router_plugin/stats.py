@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from router_plugin.node_pool import NodeHealth, NodePool, stats_verbose_from_env
+
+MIGRATION_SAMPLES = 1024  # resume times kept for /router/stats' quantiles
 
 
 @dataclass
@@ -27,6 +30,7 @@ class RequestCounters:
     failed: int = 0  # ended with an error event, or could not be placed
     closed_early: int = 0  # the front ended it first: client gone, stop string
     rerouted: int = 0  # placement attempts after the first
+    migrated: int = 0  # moves to a new pair after the client saw tokens
     local_prefills: int = 0  # placed on a decode node alone: it held most of the prompt
     rejected: int = 0  # refused with 503 (admission, no healthy node, queue timeout)
     queued: int = 0  # ever waited in the admission queue
@@ -39,6 +43,16 @@ class RouterStats:
     requests: RequestCounters = field(default_factory=RequestCounters)
     active_prefills: int = 0  # placed, first token not yet seen
     active_decodes: int = 0  # first token seen, stream not yet ended
+    # Seconds from a migration's start to its first continued token (the latest ones).
+    migration_resume_s: deque[float] = field(
+        default_factory=lambda: deque(maxlen=MIGRATION_SAMPLES))
+    migration_resume_total_s: float = 0.0  # over every migration, for /metrics
+    migration_resumes: int = 0
+
+    def observe_migration_resume(self, seconds: float) -> None:
+        self.migration_resume_s.append(seconds)
+        self.migration_resume_total_s += seconds
+        self.migration_resumes += 1
 
 
 def snapshot(stats: RouterStats, pool: NodePool, *, queue_depth: int,
@@ -52,8 +66,19 @@ def snapshot(stats: RouterStats, pool: NodePool, *, queue_depth: int,
             "queue_depth": queue_depth,
             "active_prefills": stats.active_prefills,
             "active_decodes": stats.active_decodes,
+            **migration_resume_quantiles(stats.migration_resume_s),
         },
     }
+
+
+def migration_resume_quantiles(samples: Collection[float]) -> dict[str, float | None]:
+    """p50/p99 of the latest migrations' resume times (None before the first)."""
+    ordered = sorted(samples)
+    if not ordered:
+        return {"migration_resume_p50_s": None, "migration_resume_p99_s": None}
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+    return {"migration_resume_p50_s": at(0.5), "migration_resume_p99_s": at(0.99)}
 
 
 def make_stats_route(stats: RouterStats, pool: NodePool, queue_depth: Callable[[], int],
@@ -82,6 +107,11 @@ class RouterCollector(Collector):
         for outcome, value in asdict(self._stats.requests).items():
             requests.add_metric([outcome], value)
         yield requests
+        yield SummaryMetricFamily(
+            "mlxcel:router_migration_resume_seconds",
+            "From a mid-stream migration's start to its first continued token.",
+            count_value=self._stats.migration_resumes,
+            sum_value=self._stats.migration_resume_total_s)
         yield from self._gauges()
         yield from self._nodes()
 

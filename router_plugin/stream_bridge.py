@@ -18,11 +18,15 @@ Guarantees, whatever the arrival order:
 ``seq`` is the completion index of an event's first token (0 = the first
 token, which the prefill node samples; decode continues from 1), so a frame
 may carry several tokens and the next expected ``seq`` is ``seq + len``.
+
+A migrated request (docs/cluster-flow.md, "Migration") is a new attempt whose
+nodes number from 0 again: ``resume`` sets ``seq_base`` to the tokens already
+released, and each event of that attempt is read at ``seq + seq_base``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from mlxcel_plugin.engine_api import FINISH_ERROR
@@ -75,6 +79,7 @@ class StreamBridge:
         self.state = BridgeState.WAITING_FOR_PREFILL
         self.attempt = 0
         self.next_seq = 0
+        self.seq_base = 0  # completion index of the current attempt's seq 0
         self.tokens_emitted = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -97,6 +102,21 @@ class StreamBridge:
         """Start a new routing attempt; returns the attempt number to tag its events with."""
         if not self.can_reroute:
             raise RuntimeError("a stream can only be re-routed before its first token")
+        return self._new_attempt()
+
+    def resume(self) -> int:
+        """Start a new attempt that continues after the tokens released so far (a migration)."""
+        if self.complete:
+            raise RuntimeError("a complete stream cannot be resumed")
+        self.seq_base = self.next_seq
+        return self._new_attempt()
+
+    @property
+    def attempt_started(self) -> bool:
+        """Has the current attempt released a token (its seq 0 came)?"""
+        return self.next_seq > self.seq_base
+
+    def _new_attempt(self) -> int:
         self.attempt += 1
         self.state = BridgeState.WAITING_FOR_PREFILL
         self._early.clear()
@@ -109,6 +129,8 @@ class StreamBridge:
             return []
         if event.error is not None or event.finish_reason == FINISH_ERROR:
             return self._end(FINISH_ERROR, event.error or f"{event.source} node failed")
+        if self.seq_base:
+            event = replace(event, seq=event.seq + self.seq_base)
         if event.seq > self.next_seq:
             return self._hold(event)
         outputs = self._release(event)

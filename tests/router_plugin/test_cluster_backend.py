@@ -61,7 +61,7 @@ class Cluster:
 
 
 async def cluster(n_prefill: int = 2, n_decode: int = 2, *, backpressure=None,
-                  health=QUIET, backoff=FAST,
+                  health=QUIET, backoff=FAST, config: RouterConfig | None = None,
                   **decode_kwargs) -> Cluster:
     decodes = [await FakeDecode(node_id=f"d{i}", **decode_kwargs).start()
                for i in range(n_decode)]
@@ -74,7 +74,7 @@ async def cluster(n_prefill: int = 2, n_decode: int = 2, *, backpressure=None,
     balancers = {"prefill": RoundRobinBalancer(0), "decode": RoundRobinBalancer(1)}
     backend = ClusterBackend(peers, monitor, balancers,
                              AdmissionController(backpressure or BackpressureConfig()),
-                             RouterStats(), config=RouterConfig())
+                             RouterStats(), config=config or RouterConfig())
     peers.start()
     monitor.start()
     await wait_for(lambda: all(p.connected for p in peers.peers.values()))
@@ -199,24 +199,80 @@ def test_prefill_engine_error_ends_with_one_error_event() -> None:
     run(main())
 
 
-def test_decode_lost_mid_stream_ends_that_request_with_an_error() -> None:
+def counting(prompt: Sequence[int]) -> list[int]:
+    """Each token one above the one before, up to 399: a prompt ending in ``k`` continues."""
+    return list(range(prompt[-1] + 1, 400))
+
+
+COUNTED = list(range(101, 400))  # what prompt (100,) gets with no fault
+
+
+async def stream_until(stream, count: int) -> list[TokenEvent]:
+    got: list[TokenEvent] = []
+    while len(tokens(got)) < count:  # bounded: the stream ends after 299 tokens
+        got += await anext(stream)
+    return got
+
+
+def test_decode_lost_mid_stream_migrates_with_no_gap_and_no_duplicate() -> None:
     async def main():
         c = await cluster(1, 2, token_delay_s=0.02)
-        long = [100 + i for i in range(200)]
-        c.prefills[0].script = lambda prompt: long
-        doomed = c.backend.stream(request("doomed", max_tokens=300))
-        other = asyncio.create_task(collect(c.backend, request("other", max_tokens=300)))
-        got: list[TokenEvent] = []
-        while len(tokens(got)) < 3:  # bounded: the stream ends after 300 tokens
-            got += await anext(doomed)
+        c.prefills[0].script = counting
+        doomed = c.backend.stream(request("doomed", prompt=(100,), max_tokens=300))
+        got = await stream_until(doomed, 3)
         await c.decodes[0].stop()
-        rest = [event async for batch in doomed for event in batch]
-        assert tokens(got) == long[:len(tokens(got))]
-        assert rest[-1].finish_reason == FINISH_ERROR and rest[-1].token_id is None
-        assert sum(e.finish_reason is not None for e in got + rest) == 1
-        assert c.health("decode-0") is NodeHealth.UNREACHABLE
-        other_events = await other
-        assert tokens(other_events) == long and other_events[-1].finish_reason == "stop"
+        got += [event async for batch in doomed for event in batch]
+        assert tokens(got) == COUNTED  # what the client would have got with no fault
+        assert [e.index for e in got] == list(range(len(got)))
+        assert sum(e.finish_reason is not None for e in got) == 1
+        assert got[-1].finish_reason == "stop"
+        moved = c.prefills[0].requests[-1]
+        streamed = len(moved.prompt_token_ids) - 1
+        assert moved.request_id == "doomed~1" and streamed >= 3
+        assert moved.prompt_token_ids == [100, *COUNTED[:streamed]]
+        assert moved.max_tokens == 300 - streamed
+        assert moved.decode_target == c.decodes[1].address
+        assert (c.stats.requests.migrated, c.stats.requests.failed) == (1, 0)
+        assert c.stats.requests.completed == 1
+        assert c.backend.pool.stats(0)["decode"][1]["in_flight"] == 0
+        await c.close()
+
+    run(main())
+
+
+def test_no_healthy_pair_left_ends_with_one_error_event() -> None:
+    async def main():
+        for config in (RouterConfig(), RouterConfig(max_migrations=0)):
+            c = await cluster(1, 1, token_delay_s=0.02, config=config)
+            c.prefills[0].script = counting
+            doomed = c.backend.stream(request("doomed", prompt=(100,), max_tokens=300))
+            got = await stream_until(doomed, 3)
+            await c.decodes[0].stop()
+            rest = [event async for batch in doomed for event in batch]
+            assert tokens(got) == COUNTED[:len(tokens(got))] and tokens(rest) == []
+            assert len(rest) == 1 and rest[0].finish_reason == FINISH_ERROR
+            assert rest[0].token_id is None
+            assert c.stats.requests.failed == 1
+            assert c.stats.requests.migrated == (1 if config.max_migrations else 0)
+            assert c.health("decode-0") is NodeHealth.UNREACHABLE
+            await c.close()
+
+    run(main())
+
+
+def test_a_silent_decode_node_is_cancelled_and_the_request_migrates() -> None:
+    async def main():
+        c = await cluster(1, 2, token_delay_s=0.02,
+                          config=RouterConfig(token_timeout_s=0.3))
+        c.prefills[0].script = counting
+        stream = c.backend.stream(request("slow", prompt=(100,), max_tokens=300))
+        got = await stream_until(stream, 3)
+        c.decodes[0].token_delay_s = 30.0  # its next token never comes in time
+        got += [event async for batch in stream for event in batch]
+        assert tokens(got) == COUNTED and got[-1].finish_reason == "stop"
+        assert "slow" in c.decodes[0].cancelled  # the stalled node frees its work
+        assert c.stats.requests.migrated == 1
+        assert c.stats.migration_resumes == 1 and c.stats.migration_resume_s[0] >= 0
         await c.close()
 
     run(main())

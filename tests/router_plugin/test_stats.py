@@ -1,7 +1,7 @@
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router_plugin.node_pool import NodePool, NodeTelemetry
-from router_plugin.stats import RouterCollector, RouterStats
+from router_plugin.stats import RouterCollector, RouterStats, snapshot
 
 
 def test_router_metrics_carry_each_nodes_prefix_cache_report():
@@ -19,3 +19,23 @@ def test_router_metrics_carry_each_nodes_prefix_cache_report():
     assert 'mlxcel:router_node_prefix_evictions{node="prefill-0"} 2.0' in text
     assert 'mlxcel:router_node_prefix_hit_tokens{node="decode-0"} 0.0' in text  # no report yet
     assert 'mlxcel:router_requests_total{outcome="local_prefills"} 0.0' in text
+
+
+def test_migrations_are_counted_on_metrics_and_stats():
+    pool = NodePool.from_peers(["10.0.0.1:1"], ["10.0.0.2:1"])
+    stats = RouterStats()
+    stats.requests.migrated = 2
+    for seconds in (0.2, 0.1):
+        stats.observe_migration_resume(seconds)
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(stats, pool, lambda: 0, clock=lambda: 0.5))
+    text = generate_latest(registry).decode()
+    assert 'mlxcel:router_requests_total{outcome="migrated"} 2.0' in text
+    assert "mlxcel:router_migration_resume_seconds_count 2.0" in text
+    assert "mlxcel:router_migration_resume_seconds_sum 0.3" in text
+    body = snapshot(stats, pool, queue_depth=0, balancers={}, now=0.5, verbose=False)
+    assert body["metrics"]["migrated"] == 2
+    assert body["metrics"]["migration_resume_p50_s"] == 0.2
+    assert body["metrics"]["migration_resume_p99_s"] == 0.2
+    assert snapshot(RouterStats(), pool, queue_depth=0, balancers={}, now=0.5,
+                    verbose=False)["metrics"]["migration_resume_p50_s"] is None

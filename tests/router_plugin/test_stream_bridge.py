@@ -165,3 +165,22 @@ def test_reroute_only_before_the_first_token_and_old_attempt_events_are_dropped(
     assert bridge.emitted_any_token and not bridge.can_reroute
     with pytest.raises(RuntimeError):
         bridge.restart()
+
+
+def test_resume_numbers_the_new_attempt_after_the_tokens_already_released():
+    bridge = StreamBridge()
+    feed_all(bridge, [FIRST, D1])  # tokens at completion index 0 and 1
+    early = ResultEvent(DECODE, 1, (31,), attempt=1)
+    assert bridge.resume() == 1 and bridge.seq_base == 2
+    assert not bridge.attempt_started
+    assert bridge.feed(D2) == []  # attempt 0: stale
+    assert bridge.feed(early) == []  # the new attempt's seq 1 waits for its seq 0
+    assert bridge.feed(ResultEvent(PREFILL, 0, (30,), attempt=1)) == [
+        BridgeOutput((30,)), BridgeOutput((31,))]
+    assert bridge.attempt_started and bridge.next_seq == 4
+    # A repeat of the new attempt's seq 0 is a duplicate, like any other.
+    assert bridge.feed(ResultEvent(PREFILL, 0, (30,), attempt=1)) == []
+    end = ResultEvent(DECODE, 2, (32,), FINISH_LENGTH, attempt=1)
+    assert bridge.feed(end) == [BridgeOutput((32,), FINISH_LENGTH)]
+    with pytest.raises(RuntimeError):
+        bridge.resume()
