@@ -390,4 +390,6 @@ class FakeEngine:
 
 def make_fake_engine(model_path: str | None, config: EngineConfig) -> FakeEngine:
     """The ``fake`` engine factory (knobs from ``fake_engine.json`` in ``model_path``)."""
-    return FakeEngine(FakeEngineSettings.from_dir(model_path), config)
+    # Imported here: that module subclasses this one's engine.
+    from mlxcel_plugin.testing.fake_autoregressive import engine_class
+    return engine_class(model_path)(FakeEngineSettings.from_dir(model_path), config)
