@@ -1,45 +1,42 @@
-"""mlx-lm per-sequence caches <-> ``CacheLayer`` (numpy, sliced to the live tokens).
+"""mlx-lm per-sequence leaf caches <-> ``CacheLayer`` (numpy, sliced to the live tokens).
 
-Only ``KVCache`` and ``RotatingKVCache`` can travel; any other cache class
-(``ArraysCache``, ``QuantizedKVCache``, ...) is refused with ``HandoffError``.
+Which arrays each cache kind travels as is ``engines/cache_layout.py``'s;
+a kind it does not know is refused with ``HandoffError``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engines import cache_layout
+from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import SlabCarver, mlx_view
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.kv_serde.header import ModelFingerprint
 
-SUPPORTED_KINDS = ("KVCache", "RotatingKVCache")
+SUPPORTED_KINDS = HANDOFF_KINDS
+__all__ = ["SUPPORTED_KINDS", "dtype_name"]
 
 # numpy has no bfloat16: it travels as the raw uint16 bit pattern.
 _VIEW_AS = {mx.bfloat16: mx.uint16}
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # numpy storage dtype of received K/V -> MLX dtype of the same bytes.
 _MX_STORAGE = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16,
-               np.dtype(np.uint16): mx.uint16}
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
+               np.dtype(np.uint16): mx.uint16, np.dtype(np.uint32): mx.uint32}
 
 
 def check_cache_kinds(caches: list[Any]) -> None:
-    """Raise ``HandoffError`` unless every layer's cache can be exported."""
-    for i, cache in enumerate(caches):
-        kind = type(cache).__name__
-        if kind not in SUPPORTED_KINDS:
-            raise HandoffError(
-                f"layer {i}: cache class {kind} cannot be handed off "
-                f"(supported: {', '.join(SUPPORTED_KINDS)})"
-            )
+    """Raise ``HandoffError`` unless every leaf cache can be exported."""
+    unsupported = cache_layout.unsupported_kinds(caches)
+    if unsupported:
+        raise HandoffError(
+            f"cache classes {unsupported} cannot be handed off "
+            f"(supported: {', '.join(SUPPORTED_KINDS)})"
+        )
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
@@ -49,25 +46,26 @@ def _to_numpy(x: mx.array) -> np.ndarray:
 
 def live_keys_values(cache: Any) -> tuple[mx.array, mx.array]:
     """The cached K/V without the unused tail of the buffer (temporal order for rotating)."""
-    if isinstance(cache, RotatingKVCache):
-        return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
-    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    arrays = cache_layout.live_arrays(cache)
+    return arrays["k"], arrays["v"]
 
 
-def to_cache_layer(cache: Any) -> CacheLayer:
-    """Copy one evaluated per-sequence cache to numpy."""
-    check_cache_kinds([cache])
-    keys, values = live_keys_values(cache)
-    meta: dict[str, Any] = {}
-    if isinstance(cache, RotatingKVCache):
-        meta = {"max_size": cache.max_size, "keep": cache.keep, "idx": keys.shape[2]}
-    return CacheLayer(
-        kind=type(cache).__name__,
-        keys=_to_numpy(keys),
-        values=_to_numpy(values),
-        dtype=dtype_name(keys.dtype),
-        offset=int(cache.offset),
-        meta=meta,
+def to_cache_layer(cache: Any, prompt_len: int | None = None) -> CacheLayer:
+    """Copy one evaluated leaf cache to numpy (``prompt_len``: a fixed-size state's offset)."""
+    arrays = cache_layout.live_arrays(cache)
+    offset = getattr(cache, "offset", None)
+    offset = int(offset) if isinstance(offset, int) else int(prompt_len or 1)
+    if not arrays:
+        raise HandoffError(f"a {type(cache).__name__} holds no state yet")
+    held = arrays["k"].shape[2] if "k" in arrays else 0
+    first = next(iter(arrays.values()))
+    floats = [a.dtype for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)]
+    return CacheLayer.of_arrays(
+        type(cache).__name__,
+        {name: _to_numpy(a) for name, a in arrays.items()},
+        dtype_name(floats[0] if floats else first.dtype),
+        offset,
+        cache_layout.layer_meta(cache, held),
     )
 
 
@@ -103,7 +101,7 @@ def kv_buffers(
 
 
 def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLayer:
-    """The layer with its K/V as MLX arrays (storage dtype: bf16 stays uint16).
+    """The layer with its arrays as MLX arrays (storage dtype: bf16 stays uint16).
 
     Tensors received into ``kv_buffers`` memory become views of that MLX
     memory; others are copied. Safe off the engine thread: neither the lazy
@@ -113,8 +111,8 @@ def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLaye
     """
     if layer.dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
-    keys, values = _as_mlx(layer.keys, stream), _as_mlx(layer.values, stream)
-    return dataclasses.replace(layer, keys=keys, values=values)
+    arrays = {name: _as_mlx(a, stream) for name, a in layer.arrays().items()}
+    return CacheLayer.of_arrays(layer.kind, arrays, layer.dtype, layer.offset, layer.meta)
 
 
 def _as_mlx(x: np.ndarray | mx.array, stream: mx.Stream | None = None) -> mx.array:
@@ -125,36 +123,28 @@ def _as_mlx(x: np.ndarray | mx.array, stream: mx.Stream | None = None) -> mx.arr
     return mx.array(x) if view is None else view
 
 
-def _to_mlx(x: np.ndarray | mx.array, dtype: str) -> mx.array:
-    if dtype not in _MX_DTYPES:
-        raise HandoffError(f"unsupported KV dtype {dtype!r}")
+def _to_mlx(x: np.ndarray | mx.array) -> mx.array:
+    """An array in its model dtype: uint16 storage is bfloat16's bits; others are as stored."""
     arr = _as_mlx(x)  # adopted layers are MLX already
-    target = _MX_DTYPES[dtype]
-    return arr.view(target) if target in _VIEW_AS else arr.astype(target)
+    return arr.view(mx.bfloat16) if arr.dtype == mx.uint16 else arr
 
 
-def from_cache_layer(layer: CacheLayer) -> KVCache | RotatingKVCache:
-    """Rebuild the mlx-lm cache a ``CacheLayer`` was exported from."""
-    keys, values = _to_mlx(layer.keys, layer.dtype), _to_mlx(layer.values, layer.dtype)
-    if layer.kind == "KVCache":
-        cache = KVCache()
-    elif layer.kind == "RotatingKVCache":
-        cache = RotatingKVCache(max_size=int(layer.meta["max_size"]), keep=int(layer.meta["keep"]))
-        cache._idx = int(layer.meta.get("idx", keys.shape[2]))
-    else:
-        raise HandoffError(
-            f"cache kind {layer.kind!r} cannot be decoded (supported: {', '.join(SUPPORTED_KINDS)})"
-        )
-    cache.keys, cache.values, cache.offset = keys, values, int(layer.offset)
-    return cache
+def from_cache_layer(layer: CacheLayer) -> Any:
+    """Rebuild the mlx-lm leaf cache a ``CacheLayer`` was exported from."""
+    if layer.dtype not in _MX_DTYPES:
+        raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
+    arrays = {name: _to_mlx(a) for name, a in layer.arrays().items()}
+    return cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
 
 
-def to_cache_state(caches: list[Any]) -> CacheState:
-    return CacheState(layers=[to_cache_layer(c) for c in caches])
+def to_cache_state(caches: list[Any], prompt_len: int | None = None) -> CacheState:
+    return CacheState([to_cache_layer(c, prompt_len) for c in cache_layout.leaves(caches)])
 
 
-def from_cache_state(state: CacheState) -> list[KVCache | RotatingKVCache]:
-    return [from_cache_layer(layer) for layer in state.layers]
+def from_cache_state(state: CacheState, shape: list[int] | None = None) -> list[Any]:
+    """The model's caches (``shape``: ``cache_layout.nesting``; None: one leaf per layer)."""
+    flat = [from_cache_layer(layer) for layer in state.layers]
+    return cache_layout.nest(flat, shape) if shape is not None else flat
 
 
 def check_cache_state(
@@ -164,30 +154,32 @@ def check_cache_state(
 
     ``prefix_tokens``: a delta handoff's, whose layers hold only the positions after it.
     """
-    kinds = fingerprint["cache_classes"]
-    if len(state.layers) != len(kinds):
-        raise HandoffError(f"cache has {len(state.layers)} layers, model has {len(kinds)}")
-    for i, (layer, kind) in enumerate(zip(state.layers, kinds, strict=True)):
-        if layer.kind != kind:
-            raise HandoffError(f"layer {i}: cache kind {layer.kind!r}, model uses {kind!r}")
-        if layer.dtype != fingerprint["dtype"]:
+    specs = ModelFingerprint.from_dict(fingerprint).layers
+    if len(state.layers) != len(specs):
+        raise HandoffError(f"cache has {len(state.layers)} layers, model has {len(specs)}")
+    for i, (layer, spec) in enumerate(zip(state.layers, specs, strict=True)):
+        if layer.kind != spec.kind:
+            raise HandoffError(f"layer {i}: cache kind {layer.kind!r}, model uses {spec.kind!r}")
+        if layer.keys is not None and layer.dtype != fingerprint["dtype"]:
             want = fingerprint["dtype"]
             raise HandoffError(f"layer {i}: KV dtype {layer.dtype}, model uses {want}")
-        _check_layer_shape(i, layer, fingerprint, prompt_len, prefix_tokens)
+        _check_layer_shape(i, layer, spec, prompt_len, prefix_tokens)
 
 
 def _check_layer_shape(
-    i: int, layer: CacheLayer, fingerprint: dict[str, Any], prompt_len: int, prefix_tokens: int
+    i: int, layer: CacheLayer, spec: Any, prompt_len: int, prefix_tokens: int
 ) -> None:
-    want = (1, fingerprint["kv_heads"], fingerprint["head_dim"])
-    for name, arr in (("keys", layer.keys), ("values", layer.values)):
-        if arr.ndim != 4 or (arr.shape[0], arr.shape[1], arr.shape[3]) != want:
-            raise HandoffError(f"layer {i}: {name} shape {arr.shape} does not fit {want}")
+    held = layer.keys.shape[2] if layer.keys is not None and layer.keys.ndim == 4 else 1
+    for array_spec in spec.arrays:
+        arr, want = layer.array(array_spec.name), array_spec.shape_for(held)
+        if arr is None or tuple(arr.shape) != want:
+            got = None if arr is None else tuple(arr.shape)
+            raise HandoffError(f"layer {i}: {array_spec.name} shape {got} does not fit {want}")
     if layer.offset != prompt_len:
         raise HandoffError(f"layer {i}: cache holds {layer.offset} tokens, prompt has {prompt_len}")
     if prefix_tokens and layer.kind != "KVCache":
         raise HandoffError(f"layer {i}: a {layer.kind} cannot take a delta handoff")
-    if layer.kind == "KVCache" and layer.keys.shape[2] != layer.offset - prefix_tokens:
-        stored, after = layer.keys.shape[2], f" after a prefix of {prefix_tokens}"
-        raise HandoffError(f"layer {i}: {stored} cached positions for offset {layer.offset}"
+    if layer.kind == "KVCache" and held != layer.offset - prefix_tokens:
+        after = f" after a prefix of {prefix_tokens}"
+        raise HandoffError(f"layer {i}: {held} cached positions for offset {layer.offset}"
                            f"{after if prefix_tokens else ''}")

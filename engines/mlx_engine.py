@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engines import kv_convert
+from engines import cache_layout, kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.engine_commands import (
     Cancel,
@@ -80,6 +80,7 @@ class MlxEngine:
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, config)
+        self._nesting = cache_layout.nesting(cache_layout.make_prompt_cache(model))  # CacheLists
         # Before the first request too: a router trusts its prefix index for this node from it.
         self._stats = EngineStats(free_kv_fraction=1.0, prefix_cache=self._prefix.stats())
         # Delta handoffs (engine_api.Engine): pins on the prefix cache, taken from any thread.
@@ -245,7 +246,7 @@ class MlxEngine:
         if reason is not None:
             deliver(command.emit, TokenEvent(request.request_id, 1, None, reason))
             return
-        caches = handoff_caches(command.cache, pin)
+        caches = handoff_caches(command.cache, pin, self._nesting)
         # A prefill node computed these chunks: the next turn may prefill here (local).
         self._prefix.store_prompt(prompt, caches)
         self._fit_prefix_cache()
@@ -294,10 +295,11 @@ class MlxEngine:
         request = job.request
         layers: list[CacheLayer] = []
 
-        def layer_ready(i: int, cache: Any) -> None:
-            layers.append(kv_convert.to_cache_layer(cache))
-            if job.on_layer is not None:
-                job.on_layer(i, layers[-1])
+        def layer_ready(_: int, cache: Any) -> None:  # a CacheList is several handoff layers
+            for leaf in cache_layout.leaves([cache]):
+                layers.append(kv_convert.to_cache_layer(leaf, len(request.prompt_tokens)))
+                if job.on_layer is not None:
+                    job.on_layer(len(layers) - 1, layers[-1])
 
         try:
             done = self._prefill_request(request, layer_ready)

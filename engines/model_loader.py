@@ -14,10 +14,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from engines.kv_convert import dtype_name
+from engines.cache_layout import describe_model, dtype_name
 from mlxcel_plugin.engine_api import ModelInfo
 from mlxcel_plugin.errors import ConfigError
 
@@ -86,23 +85,37 @@ def _arg(config: dict[str, Any], key: str) -> Any:
     return config.get(key, config.get("text_config", {}).get(key))
 
 
-def model_info(model_path: str | Path, model: nn.Module, config: dict[str, Any]) -> ModelInfo:
-    path = Path(model_path)
-    heads = _arg(config, "num_attention_heads")
-    kv_heads = _arg(config, "num_key_value_heads") or heads
-    head_dim = _arg(config, "head_dim") or _arg(config, "hidden_size") // heads
-    fingerprint = {
-        "architecture": config.get("model_type", type(model).__module__.rsplit(".", 1)[-1]),
-        "num_layers": len(model.layers),
+def cache_fingerprint(model: nn.Module, architecture: str) -> dict[str, Any]:
+    """The fingerprint, from the model's own caches after a probe prefill (no config keys).
+
+    ``layers`` describes each handoff layer (mlxcel_plugin/kv_serde/layer_spec.py); a
+    kind that cannot travel is listed by class with no arrays (refused per request).
+    ``kv_heads``/``head_dim`` are set for uniform K/V models only (older peers read them).
+    """
+    specs = describe_model(model)
+    kv_heads = head_dim = 0
+    shapes = {a.shape for spec in specs for a in spec.arrays}
+    uniform = all(spec.names == ("k", "v") for spec in specs) and len(shapes) == 1
+    if uniform:
+        _, kv_heads, _, head_dim = next(iter(shapes))
+    return {
+        "architecture": architecture,
+        "num_layers": len(specs),
         "kv_heads": int(kv_heads),
         "head_dim": int(head_dim),
         "dtype": dtype_name(activation_dtype(model)),
-        "cache_classes": [type(c).__name__ for c in make_prompt_cache(model)],
+        "cache_classes": [spec.kind for spec in specs],
+        "layers": [spec.to_dict() for spec in specs],
     }
+
+
+def model_info(model_path: str | Path, model: nn.Module, config: dict[str, Any]) -> ModelInfo:
+    path = Path(model_path)
+    architecture = config.get("model_type", type(model).__module__.rsplit(".", 1)[-1])
     vocab = _arg(config, "vocab_size")
     return ModelInfo(
         model_id=path.name,
-        fingerprint=fingerprint,
+        fingerprint=cache_fingerprint(model, architecture),
         context_length=context_length(config),
         eos_token_ids=eos_token_ids(path, config),
         vocab_size=int(vocab) if vocab else 0,

@@ -27,11 +27,15 @@ def check_handoff(state: CacheState, fingerprint: dict[str, Any], prompt_len: in
         raise HandoffError(f"pinned prefix has {len(pin.caches)} layers")
 
 
-def handoff_caches(state: CacheState, pin: Pin | None) -> list[Any]:
-    """The engine's caches for a checked handoff: the pinned prefix spliced in front."""
-    caches = kv_convert.from_cache_state(state)
+def handoff_caches(state: CacheState, pin: Pin | None, nesting: list[int] | None = None
+                   ) -> list[Any]:
+    """The engine's caches for a checked handoff: the pinned prefix spliced in front.
+
+    ``nesting``: ``cache_layout.nesting`` of the model's caches (CacheList layers).
+    """
     if pin is None:
-        return caches
+        return kv_convert.from_cache_state(state, nesting)
+    caches = kv_convert.from_cache_state(state)  # a delta: plain KVCache layers only
     n = pin.tokens
     for held, cache in zip(pin.caches, caches, strict=True):
         cache.keys = mx.concatenate([held.keys[..., :n, :], cache.keys], axis=2)

@@ -83,7 +83,8 @@ class TokenEvent:
 @dataclass(frozen=True)
 class ModelInfo:
     model_id: str
-    # architecture, num_layers, kv_heads, head_dim, dtype, cache_classes (list per layer)
+    # architecture, num_layers, dtype, cache_classes and layers (one per handoff layer),
+    # kv_heads/head_dim for uniform K/V models: mlxcel_plugin/kv_serde/header.py
     fingerprint: dict[str, Any]
     context_length: int
     eos_token_ids: tuple[int, ...]
@@ -92,24 +93,48 @@ class ModelInfo:
 
 @dataclass
 class CacheLayer:
-    """One layer's K/V for one sequence, sliced to ``offset`` tokens.
+    """One handoff layer of one sequence: a cache's arrays, K/V sliced to ``offset`` tokens.
 
-    ``keys``/``values`` are ``[1, kv_heads, T, head_dim]`` numpy arrays; bfloat16
+    ``keys``/``values`` are ``[1, kv_heads, T, head_dim]`` numpy arrays (MLA
+    caches: K and V of different widths); other arrays (SSM state, quantized
+    scales and biases) sit in ``extra`` by the names the model's fingerprint
+    gives them (``layers``: see mlxcel_plugin/kv_serde/layer_spec.py and
+    docs/architectures.md); a layer without K/V leaves them None. bfloat16
     travels as a ``uint16`` view with ``dtype == "bfloat16"``. A layer that an
     engine's ``adopt_layer`` returned holds that engine's own arrays instead
     (same shape and storage dtype), which only that engine reads.
     """
 
-    kind: str  # mlx-lm cache class name: "KVCache" or "RotatingKVCache"
+    kind: str  # the engine's cache class name: "KVCache", "RotatingKVCache", "ArraysCache", ...
     keys: np.ndarray | Any
     values: np.ndarray | Any
     dtype: str
-    offset: int
+    offset: int  # prompt positions the layer has seen (fixed-size state: the prompt's length)
     meta: dict[str, Any] = field(default_factory=dict)  # e.g. RotatingKVCache max_size/keep/idx
+    extra: dict[str, Any] = field(default_factory=dict)  # arrays beyond K/V, by name
+
+    def array(self, name: str) -> Any:
+        """The array a layer spec names: "k", "v", or one of ``extra``."""
+        if name == "k":
+            return self.keys
+        if name == "v":
+            return self.values
+        return self.extra.get(name)
+
+    def arrays(self) -> dict[str, Any]:
+        """Every array the layer holds, by name."""
+        held = {"k": self.keys, "v": self.values, **self.extra}
+        return {name: array for name, array in held.items() if array is not None}
+
+    @classmethod
+    def of_arrays(cls, kind: str, arrays: dict[str, Any], dtype: str, offset: int,
+                  meta: dict[str, Any] | None = None) -> CacheLayer:
+        extra = {name: a for name, a in arrays.items() if name not in ("k", "v")}
+        return cls(kind, arrays.get("k"), arrays.get("v"), dtype, offset, dict(meta or {}), extra)
 
     @property
     def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.values.nbytes)
+        return int(sum(array.nbytes for array in self.arrays().values()))
 
 
 @dataclass

@@ -24,7 +24,7 @@ import numpy as np
 
 from mlxcel_plugin.engine_api import CacheState, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
-from mlxcel_plugin.kv_codecs import IdentityCodec, KVCodec, resolve_codec, storage_dtype
+from mlxcel_plugin.kv_codecs import IdentityCodec, KVCodec, resolve_codec
 from mlxcel_plugin.kv_serde.chunk_body import decode_chunk_into, occupies
 from mlxcel_plugin.kv_serde.delta import check_delta_begin, check_delta_layer
 from mlxcel_plugin.kv_serde.errors import (
@@ -38,8 +38,8 @@ from mlxcel_plugin.kv_serde.errors import (
     UnexpectedMessage,
 )
 from mlxcel_plugin.kv_serde.header import HandoffHeader, ModelFingerprint
+from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.kv_serde.messages import (
-    TENSORS,
     ChunkHeader,
     EndHeader,
     KVMessage,
@@ -190,9 +190,8 @@ class KVAssembler:
             raise StaleEpoch(f"epoch {header.epoch} is older than {self.min_epoch}")
 
     def _check_budget(self, header: HandoffHeader) -> None:
-        fp = header.fingerprint
         # No layer holds more tokens than it ships: this bounds every later allocation.
-        bound = fp.num_layers * 2 * fp.tensor_bytes(header.shipped_tokens)
+        bound = header.fingerprint.kv_bytes(header.shipped_tokens)
         if bound > self.limits.max_bytes:
             raise OversizeDeclared(f"cache of up to {bound} bytes > budget {self.limits.max_bytes}")
 
@@ -207,12 +206,15 @@ class KVAssembler:
         written there, or anywhere else) to count. Never raises: a header that
         would be refused gets None here and its refusal from ``feed``.
         """
-        if self._state != "receiving" or not isinstance(self._codec, IdentityCodec):
+        if self._state != "receiving":
             return None
         try:
             chunk = ChunkHeader.from_dict(raw)
             layer = self._checked_chunk(chunk, chunk.nbytes)
-            if chunk.nbytes != chunk.rows * self.local.row_bytes:
+            spec = self._spec(chunk)
+            if spec.coded and not isinstance(self._codec, IdentityCodec):
+                return None  # the codec's output is decoded, not placed
+            if chunk.nbytes != chunk.rows * spec.row_bytes:
                 return None  # not a raw body: feed refuses it
             self._claim(chunk, layer)
         except HandoffError:
@@ -247,15 +249,19 @@ class KVAssembler:
         """The chunk's layer (allocated on its first chunk) once the header's bounds hold."""
         self._check_attempt(chunk.handoff_id, chunk.epoch)
         layer = self._layer_for(chunk)
-        raw_bytes = chunk.rows * self.local.row_bytes
+        raw_bytes = chunk.rows * self._spec(chunk).row_bytes
         if raw_bytes > self.limits.max_chunk_raw_bytes:
             raise OversizeDeclared(f"chunk of {raw_bytes} decoded bytes is too large")
         if max(chunk.nbytes, body_bytes) > self.limits.max_body_bytes:
             raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds the record bound")
-        rows = layer.rows
+        rows = layer.rows(chunk.tensor)
         if chunk.row + chunk.rows > rows:
             raise MalformedHandoff(f"chunk rows {chunk.row}+{chunk.rows} beyond {rows}")
         return layer
+
+    def _spec(self, chunk: ChunkHeader) -> ArraySpec:
+        """The array a chunk belongs to, by its layer's spec (an unknown name is refused)."""
+        return self.local.layers[chunk.layer].array(chunk.tensor)
 
     def _claim(self, chunk: ChunkHeader, layer: ReceivedLayer) -> None:
         claimed = layer.claimed[chunk.tensor][chunk.row : chunk.row + chunk.rows]
@@ -277,7 +283,8 @@ class KVAssembler:
         end = self._end
         if end is None:  # only reachable through a bug: checked once end has arrived
             raise UnexpectedMessage("no end yet")
-        got, want = layer.crcs[tensor], end.checksums[index][TENSORS.index(tensor)]
+        position = self.local.layers[index].names.index(tensor)
+        got, want = layer.crcs[tensor], end.checksums[index][position]
         if got != want:
             raise ChecksumMismatch(f"layer {index} {tensor}: crc32 {got:#x} != {want:#x}")
 
@@ -314,20 +321,24 @@ class KVAssembler:
         return self._allocate(chunk.layer, descriptor)
 
     def _allocate(self, index: int, descriptor: LayerDescriptor) -> ReceivedLayer:
-        fp = self.local
-        size = 2 * fp.tensor_bytes(descriptor.tokens)
+        fp, spec = self.local, self.local.layers[index]
+        size = spec.nbytes(descriptor.tokens)
         if self.allocated_bytes + size > self.limits.max_bytes:
             raise OversizeDeclared(f"layer {index} would exceed the byte budget")
-        shape = (1, fp.kv_heads, descriptor.tokens, fp.head_dim)
-        rows = fp.kv_heads * descriptor.tokens
-        buffers = self.memory.take(shape, storage_dtype(fp.dtype), len(TENSORS))
+        shapes = [a.shape_for(descriptor.tokens) for a in spec.arrays]
+        if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
+            buffers = self.memory.take(shapes[0], spec.arrays[0].storage, len(shapes))
+        else:  # MLA, SSM and quantized layers: arrays of different shapes
+            buffers = [self.memory.take(shape, a.storage, 1)[0]
+                       for a, shape in zip(spec.arrays, shapes, strict=True)]
+        rows = {a.name: a.rows(descriptor.tokens) for a in spec.arrays}
         layer = ReceivedLayer(
             descriptor=descriptor,
             kind=fp.cache_classes[index],
             dtype=fp.dtype,
-            tensors=dict(zip(TENSORS, buffers, strict=True)),
-            claimed={t: np.zeros(rows, dtype=bool) for t in TENSORS},
-            rows_left={t: rows for t in TENSORS},
+            tensors=dict(zip(spec.names, buffers, strict=True)),
+            claimed={name: np.zeros(n, dtype=bool) for name, n in rows.items()},
+            rows_left=dict(rows),
         )
         self._layers[index] = layer
         self.allocated_bytes += size
@@ -336,7 +347,7 @@ class KVAssembler:
     def _decode_into(self, chunk: ChunkHeader, body: Any, tensor: np.ndarray) -> None:
         if self._codec is None:  # only reachable through a bug: set together with the header
             raise UnexpectedMessage("no codec yet")
-        decode_chunk_into(self._codec, chunk, body, tensor, self.local)
+        decode_chunk_into(self._codec, chunk, body, tensor, self._spec(chunk))
 
     # -- end ---------------------------------------------------------------
 
@@ -351,6 +362,9 @@ class KVAssembler:
             )
         if self.received_chunks > end.chunks:
             raise UnexpectedMessage(f"{self.received_chunks} chunks, end declares {end.chunks}")
+        for index, crcs in enumerate(end.checksums):
+            if len(crcs) != len(self.local.layers[index].arrays):
+                raise MalformedHandoff(f"end lists {len(crcs)} checksums for layer {index}")
         self._end = end
         for index, layer in sorted(self._layers.items()):
             for tensor in layer.crcs:

@@ -12,21 +12,28 @@ import numpy as np
 
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import CorruptChunk, KVCodec
-from mlxcel_plugin.kv_serde.header import ModelFingerprint
+from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.kv_serde.messages import ChunkHeader
 
 
 def decode_chunk_into(
-    codec: KVCodec, chunk: ChunkHeader, body: Any, tensor: np.ndarray, fp: ModelFingerprint
+    codec: KVCodec, chunk: ChunkHeader, body: Any, tensor: np.ndarray, spec: ArraySpec
 ) -> None:
     """Decode ``body`` and write it over the chunk's rows of ``tensor``.
 
-    A plugin codec's own failure, or an output of the wrong shape or dtype, raises
+    Arrays the codec may not touch (``spec.coded`` false) travel raw. A plugin
+    codec's own failure, or an output of the wrong shape or dtype, raises
     ``CorruptChunk``: it fails this handoff only.
     """
-    shape = (chunk.rows, fp.head_dim)
+    shape = (chunk.rows, spec.width)
+    if not spec.coded:
+        if len(body) != chunk.rows * spec.row_bytes:
+            raise CorruptChunk(f"raw chunk of {len(body)} bytes for {chunk.rows} rows")
+        tensor.reshape(-1, spec.width)[chunk.row : chunk.row + chunk.rows] = (
+            np.frombuffer(body, dtype=spec.storage).reshape(shape))
+        return
     try:
-        decoded = codec.decode(body, chunk.codec_meta, shape, fp.dtype)
+        decoded = codec.decode(body, chunk.codec_meta, shape, spec.dtype)
     except HandoffError:
         raise
     except Exception as exc:  # a plugin codec's own failure fails this handoff only
@@ -36,7 +43,7 @@ def decode_chunk_into(
     if decoded.dtype != tensor.dtype:
         raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {tensor.dtype}")
     # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
-    tensor.reshape(-1, fp.head_dim)[chunk.row : chunk.row + chunk.rows] = decoded
+    tensor.reshape(-1, spec.width)[chunk.row : chunk.row + chunk.rows] = decoded
 
 
 def occupies(body: Any, dest: memoryview) -> bool:

@@ -23,6 +23,7 @@ from mlxcel_plugin.kv_serde.errors import (
     UnsupportedHandoffVersion,
 )
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
+from mlxcel_plugin.kv_serde.layer_spec import LayerSpec, kv_layer, parse_layers
 from mlxcel_plugin.kv_serde.messages import KVMessage
 
 SERDE_VERSION = 1  # a full handoff
@@ -30,7 +31,9 @@ SERDE_VERSION = 1  # a full handoff
 # (``handoff_unsupported_version``) instead of taking the shorter layers for the whole cache.
 DELTA_SERDE_VERSION = 2
 SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION)
-SUPPORTED_CACHE_KINDS = frozenset({"KVCache", "RotatingKVCache"})
+SUPPORTED_CACHE_KINDS = frozenset(
+    {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache"}
+)
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 65536
 MAX_TOKEN_ID = 2**31 - 1
@@ -42,8 +45,12 @@ _TOKEN = np.dtype("<u4")
 class ModelFingerprint:
     """What must match between sender and receiver before any byte is allocated.
 
-    ``model_digest`` (optional, e.g. a hash of the weights) is compared only
-    when both sides set it: same architecture with other weights decodes garbage.
+    ``layers`` describes every handoff layer (``layer_spec``); a fingerprint
+    without it (an older peer) means plain ``[1, kv_heads, T, head_dim]`` K/V
+    in every layer, and ``kv_heads``/``head_dim`` are set only for such
+    uniform models (0 otherwise). ``model_digest`` (optional, e.g. a hash of
+    the weights) is compared only when both sides set it: same architecture
+    with other weights decodes garbage.
     """
 
     architecture: str
@@ -53,18 +60,25 @@ class ModelFingerprint:
     dtype: str
     cache_classes: tuple[str, ...]
     model_digest: str = ""
+    layers: tuple[LayerSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            uniform = tuple(kv_layer(kind, self.kv_heads, self.head_dim, self.dtype)
+                            for kind in self.cache_classes)
+            object.__setattr__(self, "layers", uniform)
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one head's K (or V) for one token."""
+        """Bytes of one head's K (or V) for one token (uniform models)."""
         return self.head_dim * storage_dtype(self.dtype).itemsize
 
     def tensor_bytes(self, tokens: int) -> int:
         return self.kv_heads * tokens * self.row_bytes
 
     def kv_bytes(self, tokens: int) -> int:
-        """K and V of every layer for ``tokens`` positions."""
-        return self.num_layers * 2 * self.tensor_bytes(tokens)
+        """Every array of every layer for ``tokens`` positions (fixed-size state once)."""
+        return sum(layer.nbytes(tokens) for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -74,6 +88,7 @@ class ModelFingerprint:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "cache_classes": list(self.cache_classes),
+            "layers": [layer.to_dict() for layer in self.layers],
         }
         if self.model_digest:
             data["model_digest"] = self.model_digest
@@ -92,18 +107,25 @@ class ModelFingerprint:
             raise MalformedHandoff(
                 f"fingerprint lists {len(classes)} cache classes for {num_layers} layers"
             )
+        described = data.get("layers") is not None
+        layers = parse_layers(data["layers"], MAX_LAYERS) if described else ()
+        if described and tuple(layer.kind for layer in layers) != classes:
+            raise MalformedHandoff("fingerprint layers do not match its cache classes")
+        lo = 0 if described else 1  # an undescribed (older) fingerprint needs the uniform shape
         return cls(
             architecture=f.get_str(data, "architecture", 128),
             num_layers=num_layers,
-            kv_heads=f.get_int(data, "kv_heads", 1, MAX_HEADS),
-            head_dim=f.get_int(data, "head_dim", 1, MAX_HEAD_DIM),
+            kv_heads=f.get_int(data, "kv_heads", lo, MAX_HEADS),
+            head_dim=f.get_int(data, "head_dim", lo, MAX_HEAD_DIM),
             dtype=dtype,
             cache_classes=classes,
             model_digest=f.get_optional_str(data, "model_digest") or "",
+            layers=layers,
         )
 
     def check_supported(self) -> None:
-        unsupported = sorted(set(self.cache_classes) - SUPPORTED_CACHE_KINDS)
+        undescribed = {layer.kind for layer in self.layers if not layer.arrays}
+        unsupported = sorted(set(self.cache_classes) - SUPPORTED_CACHE_KINDS | undescribed)
         if unsupported:
             raise UnsupportedCacheKind(
                 f"cache classes {unsupported} cannot be handed off; "
@@ -116,7 +138,7 @@ class ModelFingerprint:
             raise LayerCountMismatch(
                 f"sender model has {self.num_layers} layers, this node's has {local.num_layers}"
             )
-        for name in ("architecture", "kv_heads", "head_dim", "dtype", "cache_classes"):
+        for name in ("architecture", "kv_heads", "head_dim", "dtype", "cache_classes", "layers"):
             theirs, ours = getattr(self, name), getattr(local, name)
             if theirs != ours:
                 raise FingerprintMismatch(

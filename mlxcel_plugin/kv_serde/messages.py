@@ -4,9 +4,10 @@ The node maps ``KVMessage.kind`` onto a frame type (begin → KV_BEGIN, ...),
 ``header`` onto the frame's msgpack map and ``body`` onto its raw body, and
 sends it on link ``lane``. Header maps hold only msgpack types.
 
-A chunk is rows ``[row, row + rows)`` of one layer's K or V viewed as a
-C-contiguous ``[kv_heads * tokens, head_dim]`` matrix: a byte range of the
-tensor, so the sender slices without copying and the receiver can place
+A chunk is rows ``[row, row + rows)`` of one array of a layer (K, V, or
+any array its ``LayerSpec`` names) viewed as a C-contiguous
+``[rows, shape[-1]]`` matrix (for K/V: ``[kv_heads * tokens, head_dim]``):
+a byte range of the array, so the sender slices without copying and the receiver can place
 chunks in any order. Each chunk repeats its layer's descriptor (tokens,
 offset, layer_meta) so layers need no separate message and Streamed can
 begin before any layer shape is known.
@@ -21,6 +22,7 @@ from mlxcel_plugin.kv_codecs import Buffer
 from mlxcel_plugin.kv_serde import fields as f
 from mlxcel_plugin.kv_serde.errors import MalformedHandoff
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
+from mlxcel_plugin.kv_serde.layer_spec import MAX_ARRAYS
 
 MessageKind = Literal["begin", "chunk", "end", "ack"]
 TENSORS = ("k", "v")
@@ -51,7 +53,7 @@ class ChunkHeader:
     handoff_id: str
     epoch: int
     layer: int
-    tensor: str  # "k" or "v"
+    tensor: str  # the array's name in its LayerSpec ("k", "v", "s0", ...)
     row: int
     rows: int
     nbytes: int  # body length, so a short body is told apart from a bad one
@@ -76,9 +78,7 @@ class ChunkHeader:
     @classmethod
     def from_dict(cls, data: Any) -> ChunkHeader:
         data = f.as_map(data, "chunk header")
-        tensor = data.get("tensor")
-        if tensor not in TENSORS:
-            raise MalformedHandoff(f"chunk tensor must be 'k' or 'v', got {tensor!r:.40}")
+        tensor = f.get_str(data, "tensor", 32)  # the assembler checks it against the layer
         codec_meta = f.as_map(data.get("codec_meta", {}), "codec_meta")
         return cls(
             handoff_id=f.get_str(data, "handoff_id"),
@@ -105,7 +105,7 @@ class EndHeader:
     epoch: int
     chunks: int
     num_layers: int
-    checksums: tuple[tuple[int, int], ...]  # per layer: crc32 of K bytes, of V bytes
+    checksums: tuple[tuple[int, ...], ...]  # per layer: crc32 of each array, in spec order
     checksum_algo: str = CHECKSUM_ALGO
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,10 +126,10 @@ class EndHeader:
         num_layers = f.get_int(data, "num_layers", 1, MAX_LAYERS)
         raw = data.get("checksums")
         if not isinstance(raw, list | tuple) or len(raw) != num_layers:
-            raise MalformedHandoff("checksums must list one [k, v] pair per layer")
-        pairs = tuple(f.as_int_list(pair, "checksum pair", 2, 0, 2**32 - 1) for pair in raw)
-        if any(len(pair) != 2 for pair in pairs):
-            raise MalformedHandoff("each checksum entry must be a [k, v] pair")
+            raise MalformedHandoff("checksums must list one entry per layer")
+        pairs = tuple(f.as_int_list(c, "checksum entry", MAX_ARRAYS, 0, 2**32 - 1) for c in raw)
+        if any(not pair for pair in pairs):
+            raise MalformedHandoff("each checksum entry lists one crc32 per array")
         return cls(
             handoff_id=f.get_str(data, "handoff_id"),
             epoch=f.get_int(data, "epoch"),

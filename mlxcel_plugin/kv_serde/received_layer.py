@@ -16,7 +16,7 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
-from mlxcel_plugin.kv_serde.messages import TENSORS, LayerDescriptor
+from mlxcel_plugin.kv_serde.messages import LayerDescriptor
 from mlxcel_plugin.link.protocol.checksum import crc32, crc32_combine
 
 
@@ -25,9 +25,10 @@ class ReceivedLayer:
     descriptor: LayerDescriptor
     kind: str  # mlx-lm cache class, from the fingerprint
     dtype: str
-    tensors: dict[str, np.ndarray]  # "k"/"v" -> [1, kv_heads, tokens, head_dim]; {} once adopted
-    claimed: dict[str, np.ndarray]  # "k"/"v" -> bool per row: filled, or reserved for a body
-    rows_left: dict[str, int]  # "k"/"v" -> rows not yet filled
+    # Array name ("k", "v", "s0", ...) -> its buffer, in the layer spec's order; {} once adopted.
+    tensors: dict[str, np.ndarray]
+    claimed: dict[str, np.ndarray]  # name -> bool per row: filled, or reserved for a body
+    rows_left: dict[str, int]  # name -> rows not yet filled
     # (tensor, row) -> rows of a chunk whose body is being written in place.
     reserved: dict[tuple[str, int], int] = field(default_factory=dict)
     crcs: dict[str, int] = field(default_factory=dict)  # of each tensor once it is complete
@@ -39,12 +40,11 @@ class ReceivedLayer:
     def complete(self) -> bool:
         return not any(self.rows_left.values())
 
-    @property
-    def rows(self) -> int:
-        return int(self.claimed[TENSORS[0]].size)
+    def rows(self, tensor: str) -> int:
+        return int(self.claimed[tensor].size)
 
     def rows_view(self, tensor: str, row: int, rows: int) -> memoryview:
-        """The bytes of rows ``[row, row + rows)`` of ``tensor`` viewed as [rows, head_dim]."""
+        """The bytes of rows ``[row, row + rows)`` of ``tensor`` viewed as [rows, shape[-1]]."""
         array = self.tensors[tensor]
         flat = array.reshape(-1, array.shape[-1])
         return memoryview(flat[row : row + rows]).cast("B")
@@ -79,13 +79,8 @@ class ReceivedLayer:
     def cache_layer(self) -> CacheLayer:
         if self.adopted is not None:
             return self.adopted
-        return CacheLayer(
-            kind=self.kind,
-            keys=self.tensors["k"],
-            values=self.tensors["v"],
-            dtype=self.dtype,
-            offset=self.descriptor.offset,
-            meta=dict(self.descriptor.meta),
+        return CacheLayer.of_arrays(
+            self.kind, self.tensors, self.dtype, self.descriptor.offset, self.descriptor.meta
         )
 
     def adopt(self, adopter: LayerAdopter) -> None:

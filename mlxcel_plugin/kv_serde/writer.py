@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from mlxcel_plugin.engine_api import CacheLayer
-from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec, storage_dtype
+from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec
 from mlxcel_plugin.kv_codecs.base import raw_view
 from mlxcel_plugin.kv_serde.delta import delta_layer
 from mlxcel_plugin.kv_serde.errors import (
@@ -20,8 +20,8 @@ from mlxcel_plugin.kv_serde.errors import (
     UnsupportedCacheKind,
 )
 from mlxcel_plugin.kv_serde.header import SUPPORTED_CACHE_KINDS, HandoffHeader
+from mlxcel_plugin.kv_serde.layer_spec import ArraySpec, LayerSpec
 from mlxcel_plugin.kv_serde.messages import (
-    TENSORS,
     ChunkHeader,
     EndHeader,
     KVMessage,
@@ -43,8 +43,10 @@ class KVWriter:
     """Encodes one handoff: ``begin()``, ``layer(i, layer)`` per layer (any order), ``end()``.
 
     Chunks hold at most ``chunk_bytes`` of raw tensor bytes (at least one row).
-    The end message carries a crc32 per layer tensor over the bytes the
-    receiver will hold — for a lossy codec, the sender decodes its own output.
+    A layer ships the arrays its ``LayerSpec`` names, in that order; arrays the
+    spec does not mark ``coded`` go raw whatever the codec. The end message
+    carries a crc32 per layer array over the bytes the receiver will hold —
+    for a lossy codec, the sender decodes its own output.
     A delta header (``prefix_tokens``) makes every layer ship only the
     positions after the prefix: give it whole layers, it slices them.
     """
@@ -71,13 +73,14 @@ class KVWriter:
 
     def layer(self, index: int, layer: CacheLayer) -> list[KVMessage]:
         layer = delta_layer(layer, self.header, index)
-        self._check_layer(index, layer)
-        descriptor = LayerDescriptor(layer.keys.shape[2], layer.offset, dict(layer.meta))
+        tokens = self._check_layer(index, layer)
+        descriptor = LayerDescriptor(tokens, layer.offset, dict(layer.meta))
         messages: list[KVMessage] = []
         crcs = []
-        for tensor, array in zip(TENSORS, (layer.keys, layer.values), strict=True):
-            crcs.append(self._encode_tensor(index, tensor, array, descriptor, messages))
-        self._checksums[index] = (crcs[0], crcs[1])
+        for spec in self.header.fingerprint.layers[index].arrays:
+            array = layer.array(spec.name)
+            crcs.append(self._encode_tensor(index, spec, array, descriptor, messages))
+        self._checksums[index] = tuple(crcs)
         return messages
 
     def end(self) -> KVMessage:
@@ -94,7 +97,8 @@ class KVWriter:
         )
         return KVMessage("end", end.to_dict())
 
-    def _check_layer(self, index: int, layer: CacheLayer) -> None:
+    def _check_layer(self, index: int, layer: CacheLayer) -> int:
+        """Refuse a layer that does not fit its spec; returns the tokens it holds."""
         fp = self.header.fingerprint
         if not 0 <= index < fp.num_layers:
             raise LayerCountMismatch(f"layer {index} out of range for {fp.num_layers} layers")
@@ -102,42 +106,46 @@ class KVWriter:
             raise UnexpectedMessage(f"layer {index} was already sent")
         if layer.kind not in SUPPORTED_CACHE_KINDS or layer.kind != fp.cache_classes[index]:
             raise UnsupportedCacheKind(f"layer {index} is a {layer.kind}, not sendable as such")
-        if layer.dtype != fp.dtype:
+        if layer.keys is not None and layer.dtype != fp.dtype:  # SSM state: per-array dtypes
             raise FingerprintMismatch(f"layer {index} dtype {layer.dtype} != model {fp.dtype}")
-        tokens = layer.keys.shape[2] if layer.keys.ndim == 4 else -1
-        want = (1, fp.kv_heads, tokens, fp.head_dim)
-        for array in (layer.keys, layer.values):
-            if array.shape != want or array.dtype != storage_dtype(fp.dtype):
+        spec = fp.layers[index]
+        tokens = _held_tokens(spec, layer)
+        for array_spec in spec.arrays:
+            array, want = layer.array(array_spec.name), array_spec.shape_for(tokens)
+            if array is None or array.shape != want or array.dtype != array_spec.storage:
+                got = "none" if array is None else f"{array.shape}/{array.dtype}"
                 raise FingerprintMismatch(
-                    f"layer {index} tensor {array.shape}/{array.dtype} does not match {want}"
+                    f"layer {index} {array_spec.name} tensor {got} does not match {want}"
                 )
         if not 1 <= tokens <= layer.offset <= self.header.prompt_length:
             raise MalformedHandoff(
                 f"layer {index}: tokens {tokens}, offset {layer.offset}, "
                 f"prompt_length {self.header.prompt_length} are inconsistent"
             )
+        return tokens
 
     def _encode_tensor(
         self,
         index: int,
-        tensor: str,
+        spec: ArraySpec,
         array: np.ndarray,
         descriptor: LayerDescriptor,
         out: list[KVMessage],
     ) -> int:
-        fp = self.header.fingerprint
-        rows = np.ascontiguousarray(array).reshape(-1, fp.head_dim)
-        step = max(1, self.chunk_bytes // fp.row_bytes)
+        tensor = spec.name
+        rows = np.ascontiguousarray(array).reshape(-1, spec.width)
+        step = max(1, self.chunk_bytes // spec.row_bytes)
         crc = 0
         for row in range(0, rows.shape[0], step):
             part = rows[row : row + step]
             layout = ChunkLayout(tensor, descriptor.tokens, row)
-            body, meta = self.codec.encode(part, fp.dtype, layout)
+            body, meta = (self.codec.encode(part, spec.dtype, layout) if spec.coded
+                          else (raw_view(part), {}))
             if len(body) > self.max_body_bytes:
                 raise OversizeDeclared(
                     f"{self.codec.name} chunk of {len(body)} bytes exceeds {self.max_body_bytes}"
                 )
-            crc = crc32(self._held_bytes(part, body, meta), crc)
+            crc = crc32(self._held_bytes(part, body, meta) if spec.coded else body, crc)
             header = ChunkHeader(
                 self.header.handoff_id,
                 self.header.epoch,
@@ -161,3 +169,13 @@ class KVWriter:
             return raw_view(part)
         decoded = self.codec.decode(body, meta, part.shape, self.header.fingerprint.dtype)
         return raw_view(decoded)
+
+
+def _held_tokens(spec: LayerSpec, layer: CacheLayer) -> int:
+    """Positions a layer's growing arrays hold (1 for a fixed-size state: it has none)."""
+    for array_spec in spec.arrays:
+        array = layer.array(array_spec.name)
+        axis = array_spec.grow_axis
+        if axis is not None and array is not None:
+            return int(array.shape[axis]) if array.ndim > axis else -1
+    return 1

@@ -7,7 +7,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
 from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
@@ -41,7 +41,7 @@ def test_kv_cache_roundtrip_is_exact_and_sliced(dtype):
     assert mx.array_equal(rebuilt.values, cache.values[..., :300, :]).item()
 
 
-@pytest.mark.parametrize("cache", [ArraysCache(2), QuantizedKVCache()], ids=type)
+@pytest.mark.parametrize("cache", [ChunkedKVCache(8)], ids=type)
 def test_unsupported_cache_classes_are_refused(cache):
     with pytest.raises(HandoffError, match=type(cache).__name__):
         kv_convert.to_cache_layer(cache)
@@ -56,7 +56,8 @@ def test_unknown_kind_cannot_be_rebuilt():
 
 def test_check_cache_state_refuses_mismatches():
     layer = kv_convert.to_cache_layer(filled_kv_cache(mx.float32, 8))
-    fingerprint = {"cache_classes": ["KVCache"], "dtype": "float32", "kv_heads": 2, "head_dim": 16}
+    fingerprint = {"architecture": "llama", "num_layers": 1, "cache_classes": ["KVCache"],
+                   "dtype": "float32", "kv_heads": 2, "head_dim": 16}
     kv_convert.check_cache_state(CacheState([layer]), fingerprint, prompt_len=8)
     with pytest.raises(HandoffError, match="layers"):
         kv_convert.check_cache_state(CacheState([layer, layer]), fingerprint, prompt_len=8)
@@ -145,8 +146,8 @@ def test_kv_buffers_refuses_a_dtype_mlx_cannot_hold_as_kv():
 
 
 def _fingerprint(dtype: mx.Dtype) -> dict:
-    return {"cache_classes": ["KVCache"], "dtype": kv_convert.dtype_name(dtype),
-            "kv_heads": 2, "head_dim": 16}
+    return {"architecture": "llama", "num_layers": 1, "cache_classes": ["KVCache"],
+            "dtype": kv_convert.dtype_name(dtype), "kv_heads": 2, "head_dim": 16}
 
 
 def test_keep_freed_buffers_only_raises_mlx_cache_limit():

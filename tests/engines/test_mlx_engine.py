@@ -313,6 +313,7 @@ def test_close_cancels_pending_requests(tiny_model_path):
 
 def test_model_info(engine):
     info = engine.info
+    layers = info.fingerprint.pop("layers")
     assert info.fingerprint == {
         "architecture": "llama",
         "num_layers": 4,
@@ -321,6 +322,10 @@ def test_model_info(engine):
         "dtype": "float32",
         "cache_classes": ["KVCache"] * 4,
     }
+    info.fingerprint["layers"] = layers
+    # Described from the cache objects: K and V of [1, kv_heads, T, head_dim], T growing.
+    kv = {"shape": [1, 2, 0, 16], "dtype": "float32", "grow_axis": 2, "coded": True}
+    assert layers == [{"kind": "KVCache", "arrays": [{"name": "k", **kv}, {"name": "v", **kv}]}] * 4
     assert info.context_length == 2048 and info.eos_token_ids == (2,) and info.vocab_size == 49152
 
 

@@ -408,7 +408,7 @@ def test_refuses_an_oversize_prompt():
 
 
 def test_refuses_unsupported_cache_kinds():
-    fp = make_fingerprint(2, 2, 64, "float16", ["KVCache", "QuantizedKVCache"])
+    fp = make_fingerprint(2, 2, 64, "float16", ["KVCache", "MysteryCache"])
     header = make_header(fp, 4)
     with pytest.raises(UnsupportedCacheKind):
         KVWriter(header, CODECS["none"])
