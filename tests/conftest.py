@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from pathlib import Path
 
@@ -41,3 +43,40 @@ def text_tokenizer(tokenizer_dir: str):
     from mlxcel_plugin.text import TextTokenizer
 
     return TextTokenizer.from_dir(tokenizer_dir)
+
+
+class _NeverRetrieved(logging.Handler):
+    """asyncio's "Future/Task exception was never retrieved" records (logged when one is freed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "exception was never retrieved" in message:
+            self.messages.append(message[:500])
+
+    def take(self) -> list[str]:
+        messages, self.messages = self.messages, []
+        return messages
+
+
+_never_retrieved = _NeverRetrieved()
+logging.getLogger("asyncio").addHandler(_never_retrieved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_never_retrieved_in_module():
+    """Futures kept alive by a reference cycle are freed only by the collector: once a module."""
+    yield
+    gc.collect()
+    if messages := _never_retrieved.take():
+        pytest.fail("asyncio exception never retrieved: " + " | ".join(messages))
+
+
+@pytest.fixture(autouse=True)
+def _no_never_retrieved():
+    yield
+    if messages := _never_retrieved.take():
+        pytest.fail("asyncio exception never retrieved: " + " | ".join(messages))

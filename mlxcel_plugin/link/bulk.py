@@ -35,6 +35,7 @@ from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.link.protocol.handshake import Session
 from mlxcel_plugin.link.protocol.records import TAG_BYTES, RecordReceiver, RecordSender
+from mlxcel_plugin.link.refusal_log import RefusalLog
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -121,6 +122,7 @@ class BulkChannel:
         self.chunk_bytes = chunk_bytes
         self._out = bytearray(chunk_bytes + TAG_BYTES)
         self._in = bytearray(chunk_bytes + TAG_BYTES)
+        self._plain: bytearray | None = None  # for bodies without a sink buffer, on first use
         _tune(sock)
         _set_io_timeout(sock, io_timeout_s)
 
@@ -140,11 +142,13 @@ class BulkChannel:
 
         ``into`` (writable buffers of ``n_bytes`` in all: one, or a BodyParts
         to scatter into) receives the plaintext and is returned; otherwise a
-        fresh buffer does. A BodyParts asking for ``checksums`` gets each
+        fresh buffer does, grown as records arrive. A BodyParts asking for ``checksums`` gets each
         part's crc32, taken right after each record's bytes are decrypted. A
         record that fails authentication raises, and the link fails with it.
         """
-        body = bytearray(n_bytes) if into is None else into
+        if into is None:
+            return self._read_as_it_arrives(n_bytes)
+        body = into
         views = _views(body)
         crcs = [0] * len(views) if isinstance(body, BodyParts) and body.checksums else None
         for pieces in record_spans(views, self.chunk_bytes):
@@ -156,6 +160,22 @@ class BulkChannel:
                     crcs[index] = crc32(piece, crcs[index])
         if crcs is not None:
             body.crcs = crcs
+        return body
+
+    def _read_as_it_arrives(self, n_bytes: int) -> bytearray:
+        """A body with no sink buffer: memory grows one authenticated record at a time.
+
+        Why: the length is the peer's claim; allocating it up front let two ~60-byte
+        BULK records from an authenticated peer take 512 MiB before any byte came.
+        """
+        body = bytearray()
+        if self._plain is None:
+            self._plain = bytearray(self.chunk_bytes)
+        plain = memoryview(self._plain)
+        while len(body) < n_bytes:  # each pass adds one record's bytes or raises
+            take = min(self.chunk_bytes, n_bytes - len(body))
+            self._receiver.open_into(self._recv_exactly(take + TAG_BYTES), plain[:take])
+            body += plain[:take]
         return body
 
     def _recv_exactly(self, size: int) -> memoryview:
@@ -280,15 +300,18 @@ class _Pending:
 class BulkListener:
     """Server side: one listening socket shared by every link of a ``serve_links``."""
 
-    def __init__(self, sock: socket.socket, handshake_timeout_s: float):
+    def __init__(self, sock: socket.socket, handshake_timeout_s: float,
+                 refusals: RefusalLog | None = None):
         self._sock = sock
         self._timeout_s = handshake_timeout_s
+        self._refusals = refusals or RefusalLog("bulk")
         self._pending: dict[bytes, _Pending] = {}
         self._task: asyncio.Task[None] | None = None
         self._hello_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
-    def bind(cls, host: str, port: int, handshake_timeout_s: float) -> BulkListener:
+    def bind(cls, host: str, port: int, handshake_timeout_s: float,
+             refusals: RefusalLog | None = None) -> BulkListener:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, address = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -296,7 +319,7 @@ class BulkListener:
         sock.bind(address)
         sock.listen(128)
         sock.setblocking(False)
-        return cls(sock, handshake_timeout_s)
+        return cls(sock, handshake_timeout_s, refusals)
 
     @property
     def port(self) -> int:
@@ -334,7 +357,7 @@ class BulkListener:
                 await loop.sock_sendall(conn, BULK_MAGIC + pending.session.channel_mac(
                     b"bulk server", token))
         except (ProtocolError, OSError, TimeoutError) as exc:
-            logger.warning("bulk channel from %s refused: %s", addr, _describe(exc))
+            self._refusals.refused(f"bulk channel from {_format_peer(addr)}", _describe(exc))
             conn.close()
             return
         if pending.future.done():  # the link gave up waiting meanwhile
@@ -362,6 +385,12 @@ class BulkListener:
             pending.future.cancel()
         self._pending.clear()
         self._sock.close()
+
+
+def _format_peer(addr: object) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,9 +1,11 @@
 """Accepting links: ``serve_links`` runs the server handshake for each WebSocket.
 
-Per connection: handshake under a deadline (a slow-loris peer is dropped),
-then the authenticated VERDICT. Over ``max_links`` the peer gets an
-at-capacity verdict with a retry-after instead of a link. Any protocol failure
-closes with 1008 and one log line naming the peer address, never the secret.
+Per connection: one deadline from the TCP accept to a ready link (WebSocket
+upgrade, handshake, bulk attach; a slow-loris peer is dropped), then the
+authenticated VERDICT. Over ``max_links`` the peer gets an at-capacity verdict
+with a retry-after instead of a link. Any protocol failure closes with 1008;
+failures before authentication are logged through a ``RefusalLog`` (one
+WARNING line per interval, tracebacks at DEBUG), never naming the secret.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mlxcel_plugin.link.connection import (
 from mlxcel_plugin.link.protocol.handshake import ServerHandshake, Session
 from mlxcel_plugin.link.protocol.handshake_messages import VerdictKind
 from mlxcel_plugin.link.protocol.secret import ClusterSecret
+from mlxcel_plugin.link.refusal_log import RefusalLog, UpgradeLogger
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -38,6 +41,18 @@ OnLink = Callable[[Link], Awaitable[None]]
 
 class NotBinary(ProtocolError):
     code = "handshake_not_binary"
+
+
+class TimedConnection(ServerConnection):
+    """A server connection that knows when its TCP connection was accepted.
+
+    The handshake deadline counts from there, so a peer that spends 4 s on the
+    WebSocket upgrade has 1 s left, not a fresh 5 s (docs/protocol.md §2).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.accepted_at = asyncio.get_running_loop().time()
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -110,6 +125,7 @@ class _Acceptor:
     config: LinkConfig
     server: LinkServer
     bulk: BulkListener | None
+    refusals: RefusalLog
     handshakes_in_flight: int = 0
     reserved: int = 0  # accepted, waiting for the bulk channel, not yet in server.links
 
@@ -148,22 +164,30 @@ class _Acceptor:
                              at_capacity=self._at_capacity,
                              accept_extra=lambda session: self._on_accept(session, admission),
                              max_record_bytes=self.config.max_record_bytes)
+        accepted_at = getattr(ws, "accepted_at", asyncio.get_running_loop().time())
         try:
-            async with asyncio.timeout(self.config.handshake_timeout_s):
+            async with asyncio.timeout_at(accepted_at + self.config.handshake_timeout_s):
                 return await self._handshake(ws, hs, admission)
         except ProtocolError as exc:
-            logger.warning("link %s: handshake with %s failed: %s", self.node_id, peer_addr,
-                           exc.message)
+            self._log_failure(hs, peer_addr, f"handshake failed: {exc.message}")
             await ws.close(CLOSE_POLICY_VIOLATION, exc.code or "protocol_error")
         except TimeoutError:
-            logger.warning("link %s: handshake with %s missed its %.1fs deadline; dropped",
-                           self.node_id, peer_addr, self.config.handshake_timeout_s)
+            self._log_failure(hs, peer_addr, f"handshake missed its "
+                              f"{self.config.handshake_timeout_s:.1f}s deadline; dropped")
             await ws.close(CLOSE_POLICY_VIOLATION, "handshake_timeout")
         except ConnectionClosed:
-            logger.info("link %s: %s went away during the handshake", self.node_id, peer_addr)
+            # Probes and port scans do this all day: not worth a line at INFO.
+            logger.debug("link %s: %s went away during the handshake", self.node_id, peer_addr)
         finally:
             self._release(admission)
         return None
+
+    def _log_failure(self, hs: ServerHandshake, peer_addr: str, reason: str) -> None:
+        if hs.session is None:  # not authenticated: anyone can cause this, so rate-limited
+            self.refusals.refused(peer_addr, reason)
+        else:
+            logger.warning("link %s: %s (%s %s): %s", self.node_id, peer_addr, hs.peer.role,
+                           hs.peer.node_id, reason)
 
     def _release(self, admission: _Admission) -> None:
         if admission.reserved:
@@ -224,15 +248,17 @@ async def serve_links(bind: str, secret: ClusterSecret | bytes, role: str, node_
     """
     config = config or LinkConfig()
     host, port = parse_bind(bind)
+    refusals = RefusalLog(node_id)
     bulk = None
     if config.bulk:
         bulk_host, bulk_port = parse_bind(bulk_bind) if bulk_bind else (host, 0)
-        bulk = BulkListener.bind(bulk_host, bulk_port, config.handshake_timeout_s)
+        bulk = BulkListener.bind(bulk_host, bulk_port, config.handshake_timeout_s, refusals)
     server = LinkServer(host, port, bulk.port if bulk else None, _bulk=bulk)
     acceptor = _Acceptor(secret, role, node_id, frozenset(accept_roles), on_link, max_links,
-                         retry_after_s, config, server, bulk)
+                         retry_after_s, config, server, bulk, refusals)
     ws_server = await serve(
         acceptor.handle, host, port, compression=None, max_size=config.ws_max_size,
+        create_connection=TimedConnection, logger=UpgradeLogger(refusals),
         max_queue=config.ws_max_queue, open_timeout=config.handshake_timeout_s,
         ping_interval=config.ping_interval_s, ping_timeout=config.ping_timeout_s,
         close_timeout=config.close_timeout_s, server_header=None,

@@ -28,6 +28,12 @@ from mlxcel_plugin.engine_api import EngineConfig
 from mlxcel_plugin.errors import AtCapacityError, ConfigError, HandoffError
 
 
+class KVBudgetFull(AtCapacityError):
+    """The KV a handoff needs does not fit what is reserved now; retry later."""
+
+    code = "kv_budget_full"
+
+
 class SequenceState(StrEnum):
     INGESTING = "ingesting"
     READY = "ready"
@@ -126,7 +132,21 @@ class DecodeScheduler:
             raise AtCapacityError(
                 "decode ingestion queue full", retry_after_s=self.config.retry_after_s
             )
+        self._reserve(request_id, kv_bytes)
         self._sequences[request_id] = _Sequence(request_id, owner, kv_bytes, attempt)
+
+    def _reserve(self, request_id: str, kv_bytes: int) -> None:
+        """Every offered sequence holds its bytes until it ends: the budget bounds them all.
+
+        Without this, KV still arriving was bounded only by the queue length
+        (64 handoffs of 32 MiB were admitted into a 128 MiB budget).
+        """
+        reserved = sum(s.kv_bytes for s in self._sequences.values() if s.request_id != request_id)
+        if reserved + kv_bytes > self.config.kv_budget_bytes:
+            raise KVBudgetFull(
+                f"decode KV budget full: {reserved} bytes reserved + {kv_bytes} asked > "
+                f"{self.config.kv_budget_bytes}", retry_after_s=self.config.retry_after_s
+            )
 
     def _replace_attempt(self, existing: _Sequence, attempt: int) -> None:
         if existing.state is not SequenceState.INGESTING or attempt <= existing.attempt:

@@ -26,6 +26,7 @@ MAX_HEADER_BYTES = 1024 * 1024
 MAX_PROMPT_TOKENS = 1_048_576  # prompt admission cap on REQUEST frames
 _PREFIX = struct.Struct(">BI")
 _TOKEN_ITEMSIZE = 4  # prompt token ids travel as uint32 little-endian
+MSGPACK_INT_MIN, MSGPACK_INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class FrameError(ProtocolError):
@@ -81,11 +82,38 @@ def encode_header(frame_type: FrameType, header: Mapping[str, Any]) -> bytes:
     """Type byte, header length and header: everything before the body."""
     try:
         packed = msgpack.packb(dict(header), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
+    except OverflowError:
+        raise _out_of_range(header) from None
+    except (TypeError, ValueError) as exc:
         raise MalformedFrame(f"frame header cannot be encoded: {exc}") from None
     if len(packed) > MAX_HEADER_BYTES:
         raise MalformedFrame(f"frame header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
     return _PREFIX.pack(int(frame_type), len(packed)) + packed
+
+
+class HeaderIntOutOfRange(MalformedFrame):
+    """A header integer msgpack cannot carry (outside [-2**63, 2**64 - 1])."""
+
+    code = "frame_field_out_of_range"
+
+
+def _out_of_range(header: Mapping[str, Any]) -> HeaderIntOutOfRange:
+    """Name the field that overflowed (only on the failure path: no cost per frame)."""
+    path = _overflowing_path(header, "")
+    return HeaderIntOutOfRange(f"frame header field {path or '?'!r} holds an integer outside "
+                               f"the link's 64-bit range [{MSGPACK_INT_MIN}, {MSGPACK_INT_MAX}]")
+
+
+def _overflowing_path(value: Any, path: str) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return path if not MSGPACK_INT_MIN <= value <= MSGPACK_INT_MAX else None
+    if isinstance(value, Mapping):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((found for p, v in items if (found := _overflowing_path(v, p))), None)
 
 
 def encode_frame(frame: Frame) -> bytes:

@@ -9,9 +9,10 @@ import every frame name from this module. See docs/protocol.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from mlxcel_plugin.link.protocol import request_checks as checks
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.frame_codec import (
     MAX_HEADER_BYTES,
@@ -98,7 +99,7 @@ class Request:
         if len(self.prompt_token_ids) > MAX_PROMPT_TOKENS:
             raise PromptTooLong(f"prompt of {len(self.prompt_token_ids)} tokens exceeds "
                                 f"the cap of {MAX_PROMPT_TOKENS}")
-        _check_cached_tokens(self.decode_cached_tokens, len(self.prompt_token_ids))
+        self._check()  # what a node would refuse fails here, by name, before it is sent
         header = {"request_id": self.request_id, "sampling": self.sampling,
                   "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids),
                   "decode_target": self.decode_target, "deadline_unix_s": self.deadline_unix_s}
@@ -124,8 +125,22 @@ class Request:
             claim=get_field(h, "claim", bool, False),
             decode_cached_tokens=get_field(h, "decode_cached_tokens", int, 0),
         )
-        _check_cached_tokens(request.decode_cached_tokens, len(request.prompt_token_ids))
-        return request
+        target = request._check()
+        return request if target == request.decode_target else replace(request,
+                                                                        decode_target=target)
+
+    def _check(self) -> str | None:
+        """Every field in range (request_checks); returns the canonical decode_target."""
+        checks.check_request_id(self.request_id)
+        checks.check_int("max_tokens", self.max_tokens, 0)
+        checks.check_token_ids("stop_token_ids", self.stop_token_ids)
+        checks.check_sampling(self.sampling)
+        if self.deadline_unix_s is not None:
+            checks.check_float("deadline_unix_s", self.deadline_unix_s)
+        _check_cached_tokens(self.decode_cached_tokens, len(self.prompt_token_ids))
+        if self.decode_target is None:
+            return None
+        return checks.canonical_host_port(self.decode_target)
 
 
 def _check_cached_tokens(cached: int, prompt_tokens: int) -> None:

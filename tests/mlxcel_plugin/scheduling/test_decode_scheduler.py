@@ -167,3 +167,28 @@ def test_stats_for_telemetry():
     assert stats.kv_used_bytes == 4 * MB
     assert stats.free_kv_fraction == pytest.approx(0.6)
     assert stats.backpressure is False
+
+
+def test_offers_reserve_the_kv_budget_until_their_sequence_ends():
+    s = scheduler(kv_budget_bytes=128 * MB, memory_threshold=0.85)
+    admitted, refused = [], []
+    for i in range(64):  # 64 handoffs of 32 MiB into a 128 MiB budget
+        try:
+            s.offer(f"r{i}", "router-a", 32 * MB)
+            admitted.append(i)
+        except AtCapacityError as exc:
+            refused.append(exc)
+    assert admitted == [0, 1, 2, 3]
+    assert len(refused) == 60 and {e.code for e in refused} == {"kv_budget_full"}
+    assert refused[0].retry_after_s == 0.5
+    s.complete("r0", FINISH_LENGTH)  # an ended sequence gives its reservation back
+    s.offer("r4", "router-a", 32 * MB)
+    with pytest.raises(AtCapacityError):
+        s.offer("r5", "router-a", 32 * MB)
+
+
+def test_a_retried_attempt_does_not_reserve_twice():
+    s = scheduler(kv_budget_bytes=64 * MB, memory_threshold=1.0)
+    s.offer("r", "router-a", 40 * MB, attempt=1)
+    s.offer("r", "router-a", 40 * MB, attempt=2)  # replaces attempt 1's reservation
+    assert s.stats().kv_used_bytes == 40 * MB
