@@ -31,6 +31,9 @@ class ServerConfig:
     prefill_peers: tuple[str, ...] = ()
     decode_peers: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()
+    peers_file: str | None = None  # TOML with prefill/decode lists, re-read when it changes
+    discovery: str = ""  # extra discovery sources, comma-separated (e.g. "mdns")
+    advertise: str = ""  # "mdns": a node announces itself on the LAN
     node_id: str | None = None
     cluster_secret_file: str | None = None
     distributed_config: str | None = None
@@ -64,6 +67,9 @@ ENV_VARS = {
     "MLXCEL_PREFILL_PEERS": "prefill_peers",
     "MLXCEL_DECODE_PEERS": "decode_peers",
     "MLXCEL_PEERS": "peers",
+    "MLXCEL_PEERS_FILE": "peers_file",
+    "MLXCEL_DISCOVERY": "discovery",
+    "MLXCEL_ADVERTISE": "advertise",
     "MLXCEL_NODE_ID": "node_id",
     "MLXCEL_DISTRIBUTED_CONFIG": "distributed_config",
 }
@@ -216,8 +222,10 @@ def validate(config: ServerConfig) -> ServerConfig:
     if config.role in ("prefill", "decode") and not config.serving_bind:
         raise ConfigError(f"--node-role {config.role} needs --serving-bind HOST:PORT")
     has_pools = config.prefill_peers and config.decode_peers
-    if config.role == "router" and not (config.peers or has_pools):
-        raise ConfigError("--node-role router needs --prefill-peers and --decode-peers or --peers")
+    dynamic = config.peers_file or config.discovery
+    if config.role == "router" and not (config.peers or has_pools or dynamic):
+        raise ConfigError("--node-role router needs --prefill-peers and --decode-peers, --peers,"
+                          " --peers-file or --discovery")
     if config.model is not None and not Path(config.model).is_dir():
         raise ConfigError(f"--model {config.model}: not a checkpoint directory")
     return config

@@ -110,3 +110,22 @@ def mlxcel_register_roles(register: Register) -> None:
         def mlxcel_register_roles(register):
             register("hybrid", run_hybrid)
     """
+
+
+@hookspec
+def mlxcel_register_discovery(register: Register) -> None:
+    """Register discovery sources: where the router learns its nodes at runtime.
+
+    :param register: ``register(name, factory)``; ``factory(config: ServerConfig,
+        discovery: DiscoveryConfig) -> DiscoverySource`` with ``name`` and
+        ``watch()``, an async iterator of full ``frozenset[Member]`` snapshots
+        (see ``mlxcel_plugin.discovery_api``). The name is a ``--discovery`` value;
+        the router dials what a source finds with the cluster secret, like any peer.
+    :return: nothing.
+
+    All implementations are called. Example::
+
+        @hookimpl
+        def mlxcel_register_discovery(register):
+            register("consul", ConsulSource)
+    """

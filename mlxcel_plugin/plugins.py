@@ -24,6 +24,7 @@ KINDS = {
     "transfer_strategy": "mlxcel_register_transfer_strategies",
     "kv_codec": "mlxcel_register_kv_codecs",
     "role": "mlxcel_register_roles",
+    "discovery": "mlxcel_register_discovery",
 }
 
 

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from mlxcel_plugin.balancer_api import NodeView
+from mlxcel_plugin.discovery_api import is_dns_entry
 from router_plugin.prefix_index import PrefixIndex
 
 ROLES = ("prefill", "decode")
@@ -81,11 +82,12 @@ class NodePool:
     def from_peers(
         cls, prefill_peers: Iterable[str], decode_peers: Iterable[str], **kwargs: Any
     ) -> NodePool:
+        """The static peers; ``dns:NAME:PORT`` entries are the ``dns`` discovery source's."""
         pool = cls(**kwargs)
-        for address in prefill_peers:
-            pool.add("prefill", address)
-        for address in decode_peers:
-            pool.add("decode", address)
+        for role, addresses in (("prefill", prefill_peers), ("decode", decode_peers)):
+            for address in addresses:
+                if not is_dns_entry(address):
+                    pool.add(role, address)
         return pool
 
     # --- membership ----------------------------------------------------------
@@ -122,6 +124,9 @@ class NodePool:
     def health(self, node_id: str) -> NodeHealth:
         return self._nodes[node_id].health
 
+    def in_flight(self, node_id: str) -> int:
+        return self._nodes[node_id].in_flight
+
     # --- health --------------------------------------------------------------
 
     def mark_unreachable(self, node_id: str, now: float, error: str = "") -> bool:
@@ -143,6 +148,14 @@ class NodePool:
 
     def mark_draining(self, node_id: str, now: float) -> bool:
         return self._set_health(self._nodes[node_id], NodeHealth.DRAINING, now)
+
+    def undrain(self, node_id: str, connected: bool, now: float) -> bool:
+        """A draining node came back (discovery lists it again): serve it if its link is up."""
+        node = self._nodes[node_id]
+        if node.health is not NodeHealth.DRAINING:
+            return False
+        return self._set_health(node, NodeHealth.HEALTHY if connected else NodeHealth.UNKNOWN,
+                                now)
 
     def probe_candidates(self, role: str) -> list[str]:
         """Peers worth a re-probe: neither healthy nor draining on purpose."""

@@ -301,3 +301,14 @@ class PeerLinks:
 
     async def close(self) -> None:
         await asyncio.gather(*(peer.close() for peer in self.peers.values()))
+
+    def add(self, peer: PeerLink) -> None:
+        """A peer that joined at runtime (discovery): keep it and start dialing it."""
+        self.peers[peer.node_id] = peer
+        peer.start()
+
+    async def remove(self, node_id: str) -> None:
+        """A peer that left and drained: close its link and forget it."""
+        peer = self.peers.pop(node_id, None)
+        if peer is not None:
+            await peer.close()

@@ -48,3 +48,49 @@ def run_router(config, registry) -> None:
 def mlxcel_register_roles(register: Register) -> None:
     register("hybrid", run_hybrid)
     register("router", run_router)
+
+
+def make_static_source(config, discovery):
+    # Imported on use, like the roles: nodes load this plugin and run no discovery.
+    from router_plugin.discovery.static import StaticSource
+
+    return StaticSource(config, discovery)
+
+
+def make_file_source(config, discovery):
+    from router_plugin.discovery.peers_file import PeersFileSource
+
+    return PeersFileSource(config, discovery)
+
+
+def make_dns_source(config, discovery):
+    from router_plugin.discovery.dns import DnsSource
+
+    return DnsSource(config, discovery)
+
+
+def make_mdns_source(config, discovery):
+    from router_plugin.discovery.mdns import MdnsSource
+
+    return MdnsSource(config, discovery)
+
+
+def make_kubernetes_source(config, discovery):
+    from router_plugin.discovery.kubernetes import KubernetesSource
+
+    return KubernetesSource(config, discovery)
+
+
+DISCOVERY_SOURCES = {
+    "static": make_static_source,
+    "file": make_file_source,
+    "dns": make_dns_source,
+    "mdns": make_mdns_source,
+    "kubernetes": make_kubernetes_source,
+}
+
+
+@hookimpl
+def mlxcel_register_discovery(register: Register) -> None:
+    for name, factory in DISCOVERY_SOURCES.items():
+        register(name, factory)

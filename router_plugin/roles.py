@@ -27,6 +27,8 @@ from router_plugin.admission import AdmissionController, BackpressureConfig
 from router_plugin.backend import LocalEngineBackend
 from router_plugin.cluster_backend import ClusterBackend, RouterConfig
 from router_plugin.discovery import discover_pools
+from router_plugin.discovery.membership import with_membership
+from router_plugin.discovery.wiring import attach_discovery
 from router_plugin.front import make_app
 from router_plugin.health import HealthConfig, HealthMonitor
 from router_plugin.node_pool import NodePool
@@ -141,7 +143,8 @@ def make_router_app(config: Any, registry: PluginRegistry,
     queue_depth = backend.admission.__len__
     names = {role: balancer.name for role, balancer in backend.balancers.items()}
     route = make_stats_route(backend.stats, backend.pool, queue_depth, names, env=env)
-    app.add_api_route("/router/stats", route, methods=["GET"])
+    membership = attach_discovery(app, config, registry, backend, env)  # nodes join at runtime
+    app.add_api_route("/router/stats", with_membership(route, membership), methods=["GET"])
     app.state.front.metrics.registry.register(
         RouterCollector(backend.stats, backend.pool, queue_depth)
     )

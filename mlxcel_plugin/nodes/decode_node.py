@@ -56,7 +56,7 @@ from mlxcel_plugin.link.protocol.frames import (
 )
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
-from mlxcel_plugin.nodes.metrics import DecodeMetrics
+from mlxcel_plugin.nodes.metrics import DecodeMetrics, register_inference_extension
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
@@ -122,6 +122,7 @@ class DecodeNode:
                                      lambda: stats().kv_used_bytes,
                                      lambda: self.engine.stats().kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
+        register_inference_extension(self.metrics.registry, self.telemetry)
 
     # -- state readers -----------------------------------------------------------------
 

@@ -7,6 +7,7 @@ state at scrape time (``set_function``), so nothing has to keep them in step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -84,3 +85,28 @@ class DecodeMetrics(NodeMetrics):
         _gauge(r, "mlxcel:decode_batch_size", "Sequences in the decode batch.", batch_size)
         _gauge(r, "mlxcel:kv_cache_bytes", "KV bytes reserved by the decode scheduler.", kv_bytes)
         _gauge(r, "mlxcel:engine_kv_cache_bytes", "KV bytes the engine holds.", engine_kv_bytes)
+
+
+class LoadReport(Protocol):
+    """What ``register_inference_extension`` reads (a node's ``Telemetry``)."""
+
+    queue_depth: int
+    active_sequences: int
+    free_kv_fraction: float
+
+
+def register_inference_extension(registry: CollectorRegistry,
+                                 report: Callable[[], LoadReport]) -> None:
+    """The gauges the Gateway API Inference Extension scrapes, under vLLM's names.
+
+    Its model-server protocol asks for the queued requests, the running ones and
+    the KV cache in use as a fraction; its endpoint picker looks for vLLM's metric
+    names by default.
+    """
+    _gauge(registry, "vllm:num_requests_waiting", "Requests waiting (Inference Extension).",
+           lambda: report().queue_depth)
+    _gauge(registry, "vllm:num_requests_running", "Requests running (Inference Extension).",
+           lambda: report().active_sequences)
+    _gauge(registry, "vllm:gpu_cache_usage_perc",
+           "KV cache in use, 0..1 (Inference Extension).",
+           lambda: min(1.0, max(0.0, 1.0 - report().free_kv_fraction)))

@@ -39,7 +39,7 @@ from mlxcel_plugin.link.protocol.frames import (
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
 from mlxcel_plugin.nodes.handoff_policy import FINAL_REFUSALS, delta_prefix_tokens, retries_in_full
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
-from mlxcel_plugin.nodes.metrics import PrefillMetrics
+from mlxcel_plugin.nodes.metrics import PrefillMetrics, register_inference_extension
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
@@ -105,6 +105,7 @@ class PrefillNode:
         self.jobs: dict[str, _Job] = {}
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
+        register_inference_extension(self.metrics.registry, self.telemetry)
         self._peer_cycle = itertools.cycle(parts.decode_peers) if parts.decode_peers else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._engine_events: EngineMailbox[tuple[_Job, int | None, Any]] | None = None

@@ -24,6 +24,7 @@ from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
+from mlxcel_plugin.nodes.mdns_advert import advertise
 from mlxcel_plugin.nodes.ops_server import OpsRoutes, OpsServer
 from mlxcel_plugin.nodes.prefill_node import PrefillNode, PrefillNodeParts
 from mlxcel_plugin.nodes.telemetry import send_telemetry
@@ -176,6 +177,7 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
                               config=link_config(config.role))
     ops = await OpsServer.start(config.host, config.port,
                                 OpsRoutes(node.health, node.metrics.render))
+    advert = await advertise(config, node.node_id)  # None unless --advertise mdns
     housekeeping = asyncio.create_task(node.housekeeping(), name="housekeeping")
     logger.info("%s node %s: links on %s, health/metrics on http://%s:%d", config.role,
                 node.node_id, links.address, config.host, config.port)
@@ -184,6 +186,8 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
     finally:
         logger.info("%s node %s shutting down", config.role, node.node_id)
         housekeeping.cancel()
+        if advert is not None:
+            await advert.close()  # routers drain this node now, not when the records expire
         await ops.close()
         await node.close()
         await links.close()

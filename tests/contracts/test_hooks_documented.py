@@ -32,6 +32,7 @@ HOOK_SUITES = {
     "mlxcel_register_transfer_strategies": ("transfer_contract", "TransferStrategyContract"),
     "mlxcel_register_kv_codecs": ("codec_contract", "CodecContract"),
     "mlxcel_register_roles": ("role_contract", "RoleContract"),
+    "mlxcel_register_discovery": ("discovery_contract", "DiscoveryContract"),
 }
 KIND_OF_HOOK = {hook: kind for kind, hook in KINDS.items()}
 

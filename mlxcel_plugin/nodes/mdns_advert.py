@@ -1,0 +1,65 @@
+"""``--advertise mdns``: a prefill or decode node announces ``_mlxcel._tcp`` on the LAN.
+
+The service's port is the link listener's; its TXT record carries the node's
+role, id and model fingerprint (``discovery_api.model_fingerprint``), which a
+router started with ``--discovery mdns`` reads to add the node to its pool (and
+to refuse one serving another model). Advertising grants nothing: the router
+still handshakes with the cluster secret before it sends a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from zeroconf import IPVersion, ServiceInfo
+from zeroconf.asyncio import AsyncZeroconf
+
+from mlxcel_plugin.config import ServerConfig, parse_host_port
+from mlxcel_plugin.discovery_api import MDNS_SERVICE_TYPE, model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+ANY_HOST = ("0.0.0.0", "::", "")
+MAX_INSTANCE_BYTES = 63  # DNS label limit
+
+
+def instance_name(node_id: str) -> str:
+    """A DNS-SD instance label from the node id (dots would split it)."""
+    label = node_id.replace(".", "-")
+    return label.encode()[:MAX_INSTANCE_BYTES].decode(errors="ignore")
+
+
+def service_info(config: ServerConfig, node_id: str) -> ServiceInfo:
+    host, port = parse_host_port(config.serving_bind or "")
+    # A wildcard bind: zeroconf announces every interface's address.
+    addresses = None if host in ANY_HOST else [host]
+    properties = {"role": config.role, "node": node_id,
+                  "fp": model_fingerprint(config.model) or ""}
+    return ServiceInfo(MDNS_SERVICE_TYPE, f"{instance_name(node_id)}.{MDNS_SERVICE_TYPE}",
+                       port=port, properties=properties, parsed_addresses=addresses,
+                       server=f"{socket.gethostname()}.local.")
+
+
+class MdnsAdvert:
+    def __init__(self, zeroconf: AsyncZeroconf, info: ServiceInfo):
+        self._zeroconf, self.info = zeroconf, info
+
+    @classmethod
+    async def start(cls, config: ServerConfig, node_id: str) -> MdnsAdvert:
+        zeroconf = AsyncZeroconf(ip_version=IPVersion.V4Only)
+        info = service_info(config, node_id)
+        await zeroconf.async_register_service(info)
+        logger.info("advertising %s on mdns as %s", node_id, info.name)
+        return cls(zeroconf, info)
+
+    async def close(self) -> None:
+        await self._zeroconf.async_unregister_service(self.info)
+        await self._zeroconf.async_close()
+
+
+async def advertise(config: ServerConfig, node_id: str) -> MdnsAdvert | None:
+    """Start advertising when ``--advertise mdns``; None otherwise."""
+    if config.advertise != "mdns":
+        return None
+    return await MdnsAdvert.start(config, node_id)
