@@ -3,7 +3,7 @@
 The prefill node leaves the codec to the selector (``codec = "auto"``, lossless
 candidates only) and sends whole caches (``full``), so every handoff measures
 the link. Fake engine with a larger cache (16 KiB per token, highly
-compressible: each row repeats one value), prompts of 400 tokens (6.5 MB).
+compressible: each row repeats one value), prompts of 1000 tokens (16 MB).
 At 10 Gbit/s raw bytes are the fastest; after ``tc`` cuts the link to
 40 Mbit/s, one handoff measures the new rate and the next one compresses.
 """
@@ -19,7 +19,7 @@ from mlxcel_plugin.testing.fake_engine import expected_tokens
 from mlxcel_plugin.testing.link_driver import LinkDriver
 from tests.integration.netns.conftest import GBIT, fake_model_dir, netns_cluster
 
-PROMPT = tuple(range(100, 500))
+PROMPT = tuple(100 + i % 800 for i in range(1000))
 SLOW_BITS_PER_S = 40e6
 TOML = '[transfer]\nstrategy = "full"\ncodec = "auto"\n'
 
