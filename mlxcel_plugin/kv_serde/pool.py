@@ -11,16 +11,28 @@ slab is free again exactly when nobody but the pool refers to it: after the
 assembler dropped a failed handoff, or after the engine copied the arrays into
 MLX. Nothing has to be given back explicitly, and memory still referenced
 anywhere (say, by a bulk read in flight) is never lent twice.
+
+Sized from the machine (``pool_bytes_for``), and emptied once the node is
+idle (``release_free`` + ``give_back_to_os``): the warm pages help while
+handoffs keep coming; held after load they are only RSS.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+import os
 import sys
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 MIB = 1 << 20
 DEFAULT_POOL_BYTES = 512 * MIB
+MIN_POOL_BYTES = 64 * MIB
+_FALLBACK_MACHINE_BYTES = 16 << 30
 _ALIGN = 64 * 1024
 # References to a free slab while ``_lent`` looks at it: the pool's list and
 # getrefcount's argument.
@@ -88,3 +100,53 @@ class BufferPool:
 
     def _lent(self, index: int) -> bool:
         return sys.getrefcount(self._slabs[index]) > _FREE_REFS
+
+    def release_free(self) -> int:
+        """Drop every slab nobody holds (their memory goes back to the allocator); bytes freed."""
+        free = [i for i in range(len(self._slabs)) if not self._lent(i)]
+        freed = sum(self._slabs[i].nbytes for i in free)
+        dropped = set(free)
+        self._slabs = [s for i, s in enumerate(self._slabs) if i not in dropped]
+        return freed
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine (a 16 GiB guess where the OS will not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return _FALLBACK_MACHINE_BYTES
+
+
+def pool_bytes_for(kv_budget_bytes: int, model_bytes: int = 0,
+                   machine_bytes: int | None = None) -> int:
+    """Freed receive buffers worth keeping warm: a few handoffs, not the whole KV budget.
+
+    At most a quarter of the KV budget, a sixteenth of the memory the model
+    leaves free, and ``DEFAULT_POOL_BYTES``; at least ``MIN_POOL_BYTES``.
+    """
+    machine = machine_memory_bytes() if machine_bytes is None else machine_bytes
+    spare = max(machine - model_bytes, 0)
+    return max(MIN_POOL_BYTES, min(DEFAULT_POOL_BYTES, kv_budget_bytes // 4, spare // 16))
+
+
+def give_back_to_os() -> None:
+    """Ask glibc to return freed heap pages (large numpy buffers it kept) to the OS.
+
+    Why: glibc raises its mmap threshold after freeing big blocks, so later
+    32 MiB buffers come from the heap and stay in RSS after ``free``. A no-op
+    off glibc.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim():  # noqa: ANN202 - a ctypes function or None
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

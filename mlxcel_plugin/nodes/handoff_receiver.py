@@ -13,10 +13,15 @@ decrypted straight into its place in the layer buffer. With the engine's
 ``adopt`` (``engine_api.layer_adopter``) each layer becomes the engine's arrays
 as soon as it is whole and verified, while the next layers arrive (pooled
 buffers are copied and go back to the pool at once).
+
+Memory after load: once no handoff has begun for ``idle_release_s``, the
+pool's free slabs are dropped and glibc is asked to give freed pages back, so
+an idle node's RSS is its model and what it decodes, not the last burst.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -27,13 +32,13 @@ from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import (
     AssemblerLimits,
-    BufferPool,
     HandoffHeader,
     KVAssembler,
     ModelFingerprint,
     ReceiveMemory,
     SerializableCacheState,
 )
+from mlxcel_plugin.kv_serde.pool import BufferPool, give_back_to_os, pool_bytes_for
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType
 from mlxcel_plugin.nodes.kv_wire import chunk_destinations, end_first_token, frame_to_messages
@@ -42,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 # admit(header) raises to refuse a handoff before anything is allocated.
 Admit = Callable[[HandoffHeader], None]
+IDLE_RELEASE_S = 5.0
+DEFAULT_KV_BUDGET_BYTES = 4 << 30
 
 
 @dataclass
@@ -81,12 +88,21 @@ Outcome = Completed | Refused | None
 class HandoffReceiver:
     def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec], admit: Admit,
                  limits: AssemblerLimits | None = None, pool: BufferPool | None = None,
-                 adopt: LayerAdopter | None = None, make_buffers: KVBufferMaker | None = None):
+                 adopt: LayerAdopter | None = None, make_buffers: KVBufferMaker | None = None,
+                 *, kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, model_bytes: int = 0,
+                 idle_release_s: float = IDLE_RELEASE_S):
         self.local, self.codecs, self.admit = local, codecs, admit
         self.limits = limits or AssemblerLimits()
-        self.memory = ReceiveMemory(pool or BufferPool(), make_buffers)
+        pool = pool or BufferPool(pool_bytes_for(kv_budget_bytes, model_bytes))
+        self.memory = ReceiveMemory(pool, make_buffers)
         self.adopt = adopt
         self.ingests: dict[str, Ingest] = {}  # by handoff_id
+        self.idle_release_s = idle_release_s
+        self._last_begin_s = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        logger.info("KV receive buffers: %s; freed ones kept up to %d MiB, given back after "
+                    "%.0fs idle", "the engine's" if make_buffers else "pooled",
+                    pool.max_bytes >> 20, idle_release_s)
 
     @property
     def allocated_bytes(self) -> int:
@@ -108,6 +124,12 @@ class HandoffReceiver:
 
     def feed(self, link: Link, frame: Frame) -> Outcome:
         """Apply one KV frame; raises MalformedHandoff when it cannot even be routed."""
+        try:
+            return self._feed(link, frame)
+        finally:
+            self._release_later_if_idle()
+
+    def _feed(self, link: Link, frame: Frame) -> Outcome:
         handoff_id, epoch = _route(frame)
         ingest = self.ingests.get(handoff_id)
         if frame.type is FrameType.KV_BEGIN:
@@ -133,6 +155,7 @@ class HandoffReceiver:
         return Completed(ingest, state, first)
 
     def _begin(self, link: Link, frame: Frame, handoff_id: str, epoch: int) -> Outcome:
+        self._last_begin_s = time.monotonic()
         old = self.ingests.pop(handoff_id, None)
         if old is not None:  # a retry supersedes the attempt still arriving
             _free(old.assembler)
@@ -164,12 +187,46 @@ class HandoffReceiver:
 
     def drop(self, request_id: str, error: MlxcelError) -> list[Refused]:
         """Abandon every ingest of ``request_id`` (cancelled, timed out)."""
-        return [self._refuse(i, error) for i in list(self.ingests.values())
-                if i.request_id == request_id]
+        refused = [self._refuse(i, error) for i in list(self.ingests.values())
+                   if i.request_id == request_id]
+        self._release_later_if_idle()
+        return refused
 
     def drop_link(self, link: Link, error: MlxcelError) -> list[Refused]:
         """The sending prefill node went away: its unfinished handoffs cannot complete."""
-        return [self._refuse(i, error) for i in list(self.ingests.values()) if link in i.lanes]
+        refused = [self._refuse(i, error) for i in list(self.ingests.values()) if link in i.lanes]
+        self._release_later_if_idle()
+        return refused
+
+    # -- memory after load ---------------------------------------------------------------
+
+    def _release_later_if_idle(self) -> None:
+        if self.ingests or self._idle_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # fed outside a loop (unit tests): nothing to schedule on
+            return
+        self._idle_timer = loop.call_later(self.idle_release_s, self._release_if_idle)
+
+    def _release_if_idle(self) -> None:
+        self._idle_timer = None
+        quiet_s = time.monotonic() - self._last_begin_s
+        if self.ingests:
+            return  # the last of them to end schedules the next look
+        if quiet_s < self.idle_release_s:  # a handoff came and went meanwhile: look again later
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(self.idle_release_s - quiet_s,
+                                               self._release_if_idle)
+            return
+        self.release_memory()
+
+    def release_memory(self) -> int:
+        """Free the pool's unlent slabs and return freed heap pages to the OS; bytes freed."""
+        freed = self.memory.pool.release_free() if self.memory.pool is not None else 0
+        give_back_to_os()
+        logger.debug("idle: released %d MiB of receive buffers", freed >> 20)
+        return freed
 
     def older_than(self, cutoff_s: float) -> list[Ingest]:
         return [i for i in self.ingests.values() if i.started_s < cutoff_s]

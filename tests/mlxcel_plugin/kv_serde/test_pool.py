@@ -34,3 +34,21 @@ def test_the_pool_stays_within_its_bound():
     del held
     pool.take(3 * MIB)  # room is made by dropping free slabs
     assert pool.held_bytes <= 4 * MIB
+
+
+def test_release_free_drops_only_what_nobody_holds():
+    pool = BufferPool(16 * MIB)
+    lent = pool.take(MIB)
+    freed = pool.take(2 * MIB)
+    del freed
+    assert pool.release_free() >= 2 * MIB
+    assert pool.held_bytes >= MIB and lent.nbytes == MIB
+
+
+def test_pool_size_follows_the_kv_budget_and_the_machine():
+    from mlxcel_plugin.kv_serde.pool import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, pool_bytes_for
+
+    gib = 1024 * MIB
+    assert pool_bytes_for(4 * gib, machine_bytes=64 * gib) == DEFAULT_POOL_BYTES
+    assert pool_bytes_for(512 * MIB, machine_bytes=64 * gib) == 128 * MIB  # a quarter
+    assert pool_bytes_for(4 * gib, model_bytes=7 * gib, machine_bytes=8 * gib) == MIN_POOL_BYTES

@@ -102,3 +102,28 @@ def test_a_damaged_body_placed_in_place_still_fails_the_handoff_and_frees_it():
     outcome, _ = deliver(receiver, frames)
     assert isinstance(outcome, Refused) and outcome.error.code == "handoff_checksum_mismatch"
     assert receiver.allocated_bytes == 0 and not receiver.ingests
+
+
+def test_an_idle_receiver_gives_its_pooled_buffers_back():
+    import asyncio
+
+    from mlxcel_plugin.kv_serde.pool import BufferPool
+
+    pool = BufferPool(64 << 20)
+    receiver = HandoffReceiver(FP, CODECS, admit=lambda header: None, pool=pool,
+                               idle_release_s=0.05)
+
+    async def go():
+        frames, _ = frames_for()
+        outcome, _ = deliver(receiver, frames)
+        assert isinstance(outcome, Completed)
+        del outcome  # the cache held views of the pool's slabs
+        held_after_handoff = pool.held_bytes
+        for _ in range(100):  # bounded: the timer fires after 0.05 s
+            await asyncio.sleep(0.02)
+            if not pool.held_bytes:
+                break
+        return held_after_handoff
+
+    assert asyncio.run(go()) > 0
+    assert pool.held_bytes == 0

@@ -1,0 +1,116 @@
+"""RSS per role: freshly started, under load, and some time after the load (issue 22).
+
+Starts a prefill and a decode node (the ``fake`` engine by default, or
+``--engine mlx --model PATH``), drives them over real links with
+``LinkDriver`` (the router's part), and samples each process's VmRSS:
+
+    .venv/bin/python loadtests/bench_memory.py --requests 64 --concurrency 8
+    .venv/bin/python loadtests/bench_memory.py --engine mlx --model ~/.cache/mlxcel/tiny
+
+Target (issue 22): an idle node at most its model's weights + 512 MiB, also
+after load. Linux only (reads /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mlxcel_plugin.link import generate_secret_file, load_cluster_secret  # noqa: E402
+from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node  # noqa: E402
+from mlxcel_plugin.testing.link_driver import LinkDriver  # noqa: E402
+
+MIB = 1 << 20
+
+
+def rss_bytes(node: NodeProcess) -> int:
+    status = Path(f"/proc/{node.process.pid}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def start(workdir: Path, args: argparse.Namespace) -> dict[str, NodeProcess]:
+    secret_path = workdir / "cluster.secret"
+    generate_secret_file(secret_path)
+    model = args.model or str(workdir)
+    common = ["--cluster-secret-file", str(secret_path), "--engine", args.engine,
+              "--model", model]
+    nodes = {}
+    for role in ("decode", "prefill"):
+        nodes[role] = start_node(role, workdir, common + ["--node-id", f"{role}-mem"],
+                                 name=role, serving_bind=f"{LOOPBACK}:{free_port()}")
+    for node in nodes.values():
+        node.wait_healthy(300)
+    return nodes
+
+
+async def load(nodes: dict[str, NodeProcess], secret_path: Path, args: argparse.Namespace,
+               samples: dict[str, list[int]]) -> int:
+    """``requests`` generations, ``concurrency`` at a time; RSS sampled meanwhile."""
+    secret = load_cluster_secret(str(secret_path), {})
+    prompt = [7 + i % 50 for i in range(args.prompt_tokens)]
+    done = 0
+    async with LinkDriver(secret, nodes["prefill"].serving_bind,
+                          nodes["decode"].serving_bind) as driver:
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(i: int) -> bool:
+            async with gate:
+                outcome = await driver.generate(f"m{i}", prompt, args.max_tokens, timeout_s=300)
+                return outcome.ok
+
+        async def sample() -> None:
+            while True:  # cancelled when the load ends
+                for role, node in nodes.items():
+                    samples[role].append(rss_bytes(node))
+                await asyncio.sleep(0.2)
+
+        sampler = asyncio.create_task(sample())
+        results = await asyncio.gather(*(one(i) for i in range(args.requests)))
+        sampler.cancel()
+        done = sum(results)
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", default="fake")
+    parser.add_argument("--model", default="")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--after-s", type=float, default=30.0,
+                        help="idle time before the last look")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        nodes = start(workdir, args)
+        try:
+            time.sleep(1.0)
+            fresh = {role: rss_bytes(node) for role, node in nodes.items()}
+            samples: dict[str, list[int]] = {role: [] for role in nodes}
+            ok = asyncio.run(load(nodes, workdir / "cluster.secret", args, samples))
+            time.sleep(args.after_s)
+            after = {role: rss_bytes(node) for role, node in nodes.items()}
+        finally:
+            for node in nodes.values():
+                node.stop()
+    print(f"engine={args.engine} model={args.model or '-'} requests={args.requests} ok={ok} "
+          f"concurrency={args.concurrency} prompt_tokens={args.prompt_tokens} "
+          f"max_tokens={args.max_tokens}")
+    print(f"{'role':8} {'fresh MiB':>10} {'load peak MiB':>14} {f'+{args.after_s:.0f}s MiB':>10}")
+    for role in nodes:
+        peak = max(samples[role], default=0)
+        print(f"{role:8} {fresh[role] / MIB:10.0f} {peak / MIB:14.0f} {after[role] / MIB:10.0f}")
+
+
+if __name__ == "__main__":
+    main()
