@@ -46,7 +46,7 @@ from mlxcel_plugin.kv_serde.messages import (
     LayerDescriptor,
 )
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
-from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer
+from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer, layer_buffers
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
 
@@ -325,12 +325,7 @@ class KVAssembler:
         size = spec.nbytes(descriptor.tokens)
         if self.allocated_bytes + size > self.limits.max_bytes:
             raise OversizeDeclared(f"layer {index} would exceed the byte budget")
-        shapes = [a.shape_for(descriptor.tokens) for a in spec.arrays]
-        if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
-            buffers = self.memory.take(shapes[0], spec.arrays[0].storage, len(shapes))
-        else:  # MLA, SSM and quantized layers: arrays of different shapes
-            buffers = [self.memory.take(shape, a.storage, 1)[0]
-                       for a, shape in zip(spec.arrays, shapes, strict=True)]
+        buffers = layer_buffers(self.memory, spec, descriptor.tokens)
         rows = {a.name: a.rows(descriptor.tokens) for a in spec.arrays}
         layer = ReceivedLayer(
             descriptor=descriptor,

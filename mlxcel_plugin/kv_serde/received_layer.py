@@ -16,7 +16,9 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
+from mlxcel_plugin.kv_serde.layer_spec import LayerSpec
 from mlxcel_plugin.kv_serde.messages import LayerDescriptor
+from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 from mlxcel_plugin.link.protocol.checksum import crc32, crc32_combine
 
 
@@ -92,3 +94,13 @@ class ReceivedLayer:
         except Exception as exc:  # the engine's own failure (say, out of memory) fails this handoff
             raise AdoptFailed(f"engine could not take a received layer: {exc!r:.200}") from exc
         self.tensors = {}
+
+
+def layer_buffers(memory: ReceiveMemory, spec: LayerSpec, tokens: int) -> list[np.ndarray]:
+    """One receive buffer per array of the layer, in spec order (K and V taken together)."""
+    shapes = [a.shape_for(tokens) for a in spec.arrays]
+    if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
+        return memory.take(shapes[0], spec.arrays[0].storage, len(shapes))
+    # MLA, SSM and quantized layers: arrays of different shapes or dtypes.
+    pairs = zip(spec.arrays, shapes, strict=True)
+    return [memory.take(shape, a.storage, 1)[0] for a, shape in pairs]
