@@ -40,6 +40,7 @@ class NetnsNodes:
     started: list[NetnsNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.secret_path = self.workdir / "cluster.secret"
         if not self.secret_path.exists():
             generate_secret_file(self.secret_path)
