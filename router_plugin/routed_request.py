@@ -116,6 +116,16 @@ def wire_id(request_id: str, attempt: int) -> str:
     return request_id if attempt == 0 else f"{request_id}~{attempt}"
 
 
+def failed_result_as_error(event: PeerEvent) -> PeerEvent:
+    """A RESULT that reports a failure (a handoff that never landed, an engine error) is
+    handled like the node's ERROR frame: before the first token it ends the stream, after
+    it the request migrates."""
+    result = event.result
+    if result is None or (result.finish_reason != FINISH_ERROR and result.error is None):
+        return event
+    return PeerEvent(event.source, event.node_id, error=result.error or f"{event.source} failed")
+
+
 class RoutedRequest:
     """One admitted request: placement, the merged result streams, and its cleanup."""
 
@@ -233,6 +243,7 @@ class RoutedRequest:
             return []  # after the terminal (a failed migration), nothing more matters
         if event.source == DECODE:
             placement.prefill_done = True  # D has the KV (or P's part no longer matters)
+        event = failed_result_as_error(event)
         if event.lost or event.error is not None:
             if event.code != TOKEN_TIMEOUT_CODE:  # a silent node still works: cancel it
                 self._side_done(event.source)
