@@ -54,6 +54,12 @@ def make_parser() -> argparse.ArgumentParser:
     add("--prefix-cache-bytes", type=int,
         help="prompt KV kept across requests, in bytes (default 1 GiB; 0 disables)")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
+    add("--api-key", dest="api_keys", action="append",
+        help="hybrid/router: require Authorization: Bearer KEY on /v1/* (repeatable)")
+    add("--metrics-require-key", action="store_true", help="also on /health* and /metrics")
+    add("--max-request-bytes", type=int, help="largest request body (default 8 MiB)")
+    add("--ssl-keyfile", help="hybrid/router: serve HTTPS with this key (and --ssl-certfile)")
+    add("--ssl-certfile", help="hybrid/router: serve HTTPS with this certificate")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="log level")
     return parser
 

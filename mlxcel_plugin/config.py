@@ -17,6 +17,8 @@ from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheConfig
 from mlxcel_plugin.errors import ConfigError
 
 ROLES = ("hybrid", "prefill", "decode", "router")
+# 8 MiB: a 128k-token prompt of ordinary text with room for tool schemas.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,13 @@ class ServerConfig:
     prefill_balancer: str = "prefix-aware"
     decode_balancer: str = "prefix-aware"
     log_level: str = "info"
+    # The HTTP front of hybrid and router (router_plugin/front_options.py).
+    # --api-key, repeatable; empty: no key asked. Kept out of repr (logs, tracebacks).
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    metrics_require_key: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -72,6 +81,8 @@ ENV_VARS = {
     "MLXCEL_ADVERTISE": "advertise",
     "MLXCEL_NODE_ID": "node_id",
     "MLXCEL_DISTRIBUTED_CONFIG": "distributed_config",
+    "MLXCEL_API_KEY": "api_keys",  # comma-separated
+    "MLXCEL_MAX_REQUEST_BYTES": "max_request_bytes",
 }
 
 # TOML sections handled here; other sections are kept raw in ``sections``.
@@ -102,6 +113,9 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     """Turn env/TOML/CLI values into the field's type, with a clear error."""
     text = str(hint)
     try:
+        if text.startswith("frozenset"):  # secrets, not addresses: "a,b" or a list
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return frozenset(str(item).strip() for item in items if str(item).strip())
         if "tuple" in text:
             return split_addresses(value)
         if text in ("bool", "<class 'bool'>"):
@@ -226,6 +240,11 @@ def validate(config: ServerConfig) -> ServerConfig:
     if config.role == "router" and not (config.peers or has_pools or dynamic):
         raise ConfigError("--node-role router needs --prefill-peers and --decode-peers, --peers,"
                           " --peers-file or --discovery")
+    if bool(config.ssl_keyfile) != bool(config.ssl_certfile):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+    for tls_file in (config.ssl_keyfile, config.ssl_certfile):
+        if tls_file and not Path(tls_file).is_file():
+            raise ConfigError(f"no such file: {tls_file}")
     if config.model is not None and not Path(config.model).is_dir():
         raise ConfigError(f"--model {config.model}: not a checkpoint directory")
     return config

@@ -63,6 +63,25 @@ class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The body is over ``--max-request-bytes``."""
+
+    status_code = 413
+    code = "request_too_large"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class AuthenticationError(InvalidRequestError):
+    """No or a wrong ``Authorization: Bearer`` key (``--api-key``); OpenAI's 401."""
+
+    status_code = 401
+    code = "invalid_api_key"
+
+
 class AtCapacityError(MlxcelError):
     """Every node is busy; the client should retry after ``retry_after_s``."""
 

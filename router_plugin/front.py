@@ -4,8 +4,12 @@ The front owns text: chat template, tokenizing, detokenizing, stop strings,
 the stream filter and usage. One chat request, in the order the code runs it
 (docs/cluster-flow.md, "One request on the router"):
 
-1. ``chat_completions`` parses and validates the body (``openai_schema``);
-2. ``plan_chat`` renders the template, tokenizes, bounds ``max_tokens`` and
+1. ``chat_completions`` reads the body within ``--max-request-bytes`` and
+   checks it as JSON (``request_limits``), then each field
+   (``openai_schema``); a body of ``off_loop_bytes`` or more is planned (this
+   step and the next) in a worker thread, so it cannot stall other streams;
+2. ``plan_chat`` refuses a prompt its size alone shows is over the context,
+   renders the template, tokenizes, bounds ``max_tokens`` and
    builds the request's ``Completion`` (``completion.py``), which holds its
    state from here on: the ``GenerationRequest``, the text pipeline, the
    backend's token stream, timing and outcome;
@@ -14,29 +18,28 @@ the stream filter and usage. One chat request, in the order the code runs it
    a prefill and a decode node and merges their streams);
 4. ``_complete`` / ``_sse`` turn its deltas into a body or SSE events
    (``responses``, ``sse``), with the completion's finish reason and usage.
+
+Around it: ``--api-key`` (``api_keys``), OpenAI-shaped errors (``http_errors``),
+the OpenAPI schema at ``/openapi.json`` and ``/docs`` (``openapi_models``).
+Refusals before a request starts are counted in ``request_errors_total``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Send
 
 from mlxcel_plugin.engine_api import GenerationRequest
 from mlxcel_plugin.errors import (
-    AtCapacityError,
     ContextLengthError,
     InvalidRequestError,
     MlxcelError,
@@ -51,120 +54,44 @@ from mlxcel_plugin.text import (
     prompt_opens_reasoning,
 )
 from router_plugin import responses, sse
+from router_plugin.api_keys import ApiKeyMiddleware, ApiKeys
 from router_plugin.backend import TokenBackend
 from router_plugin.completion import Completion
+from router_plugin.front_options import FrontOptions
+from router_plugin.http_errors import error_response, install_error_handlers
+from router_plugin.http_stream import ClientDisconnected, SSEResponse, run_until_disconnect
 from router_plugin.metrics import CONTENT_TYPE, FrontMetrics
 from router_plugin.openai_schema import (
     ChatParams,
     CommonParams,
     parse_chat_request,
     parse_completion_request,
-    parse_json_body,
 )
+from router_plugin.openapi_models import ROUTE_DOCS, install_openapi
+from router_plugin.request_limits import parse_json_body, read_body
+
+# Re-exported: these lived here before the front was split by concept.
+__all__ = [
+    "ClientDisconnected",
+    "OpenAIFront",
+    "SSEResponse",
+    "error_response",
+    "install_error_handlers",
+    "make_app",
+    "run_until_disconnect",
+]
 
 logger = logging.getLogger(__name__)
 
 # Used only when neither the request nor the model's config bounds the output.
 FALLBACK_MAX_TOKENS = 4096
+# Big bodies planned at once in worker threads (each tokenizer call uses a core).
+OFF_LOOP_PLANS = 2
 
 T = TypeVar("T")
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response was ready."""
-
-
-# -- errors -------------------------------------------------------------------
-
-
-def error_response(exc: MlxcelError) -> JSONResponse:
-    headers = {}
-    if isinstance(exc, AtCapacityError):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
-
-
-def _http_error(status: int, message: str, code: str) -> JSONResponse:
-    error_type = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error a client sees is OpenAI-shaped, including framework 404/405/422."""
-
-    async def on_mlxcel(_: Request, exc: MlxcelError) -> JSONResponse:
-        return error_response(exc)
-
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _http_error(exc.status_code, str(exc.detail), code)
-
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _http_error(422, f"invalid request: {exc.errors()}", "validation_error")
-
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in a request", exc_info=exc)
-        return _http_error(500, "internal server error", "internal_error")
-
-    app.add_exception_handler(MlxcelError, on_mlxcel)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(Exception, on_unexpected)
-
-
-# -- disconnects --------------------------------------------------------------
-
-
-async def _until_disconnect(request: Request) -> None:
-    # The body is already read, so the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` in this task; cancel it (running its cleanup) if the client goes away.
-
-    Run here rather than in a task of its own: the first token wakes the handler
-    directly, one loop turn sooner.
-    """
-    with anyio.CancelScope() as scope:
-
-        async def watch() -> None:
-            await _until_disconnect(request)
-            scope.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await work
-        finally:
-            watcher.cancel()
-            # Usually it only waits on receive(): nothing to wait for, just reap it.
-            watcher.add_done_callback(_retrieve)
-    raise ClientDisconnected()
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # seen: no "exception was never retrieved" warning
-
-
-class SSEResponse(StreamingResponse):
-    """A stream whose body iterator is always closed, even on disconnect."""
-
-    media_type = sse.MEDIA_TYPE
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            # Shielded: the cleanup (engine cancel) must run inside a cancelled scope too.
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-# -- the front ----------------------------------------------------------------
+# (raw body, arrival time, in a worker thread) -> the planned request
+Planner = Callable[[bytes, float, bool], Completion]
 
 
 class OpenAIFront:
@@ -177,6 +104,7 @@ class OpenAIFront:
         context_length: int | None,
         system_fingerprint: str | None,
         metrics: FrontMetrics,
+        options: FrontOptions | None = None,
     ):
         self.backend = backend
         self.tokenizer = tokenizer
@@ -184,24 +112,18 @@ class OpenAIFront:
         self.context_length = context_length or tokenizer.context_length
         self.system_fingerprint = system_fingerprint
         self.metrics = metrics
+        self.options = options or FrontOptions()
+        self._off_loop = anyio.CapacityLimiter(OFF_LOOP_PLANS)
         self.markers = FilterMarkers().with_tool_openers(list(tokenizer.tool_token_ids().values()))
 
     # routes
 
     async def chat_completions(self, request: Request) -> Response:
-        arrival_s = time.perf_counter()
-        params = parse_chat_request(parse_json_body(await request.body()))
-        return await self._serve(request, self.plan_chat(params, arrival_s))
+        completion = await self._planned(request, self._plan_chat_body)
+        return await self._serve(request, completion)
 
     async def completions(self, request: Request) -> Response:
-        arrival_s = time.perf_counter()
-        params = parse_completion_request(parse_json_body(await request.body()))
-        self._check_model(params.common.model)
-        if isinstance(params.prompt, str):
-            prompt = self.tokenizer.encode(params.prompt)
-        else:
-            prompt = self._checked_token_ids(params.prompt)
-        completion = self._completion(responses.TEXT, prompt, params.common, arrival_s)
+        completion = await self._planned(request, self._plan_completion_body)
         return await self._serve(request, completion)
 
     def models(self) -> dict[str, Any]:
@@ -216,15 +138,52 @@ class OpenAIFront:
     def render_metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    def refused(self, status: int, code: str) -> None:
+        self.metrics.failed(code, status)
+
     # request planning
 
-    def plan_chat(self, params: ChatParams, arrival_s: float) -> Completion:
+    async def _planned(self, request: Request, plan: Planner) -> Completion:
+        """The body read and planned; a refusal on the way is counted, then raised."""
+        arrival_s = time.perf_counter()
+        try:
+            raw = await read_body(request, self.options.max_request_bytes)
+            if len(raw) < self.options.off_loop_bytes:
+                return plan(raw, arrival_s, False)
+            return await anyio.to_thread.run_sync(plan, raw, arrival_s, True,
+                                                  limiter=self._off_loop)  # fmt: skip
+        except MlxcelError as exc:
+            self.refused(exc.status_code, str(exc.code))
+            raise
+
+    def _plan_chat_body(self, raw: bytes, arrival_s: float, in_thread: bool) -> Completion:
+        body = parse_json_body(raw, self.options.max_json_depth)
+        return self.plan_chat(parse_chat_request(body), arrival_s, in_thread=in_thread)
+
+    def _plan_completion_body(self, raw: bytes, arrival_s: float, in_thread: bool) -> Completion:
+        params = parse_completion_request(parse_json_body(raw, self.options.max_json_depth))
+        self._check_model(params.common.model)
+        if isinstance(params.prompt, str):
+            self._check_size(len(params.prompt), "prompt")
+            encode = self.tokenizer.encode_in_thread if in_thread else self.tokenizer.encode
+            prompt = encode(params.prompt)
+        else:
+            prompt = self._checked_token_ids(params.prompt)
+        return self._completion(responses.TEXT, prompt, params.common, arrival_s)
+
+    def plan_chat(self, params: ChatParams, arrival_s: float, *,
+                  in_thread: bool = False) -> Completion:  # fmt: skip
         """Chat template, tokens, stream filter and budget (shared with the LiteLLM provider)."""
         self._check_model(params.common.model)
+        content = (m["content"] for m in params.messages if isinstance(m["content"], str))
+        self._check_size(sum(map(len, content)), "messages")
         prompt_text = self.tokenizer.render_chat(
             params.messages, tools=params.tools, template_kwargs=params.template_kwargs
         )
-        prompt = self.tokenizer.encode_chat(prompt_text)
+        if in_thread:
+            prompt = self.tokenizer.encode_in_thread(prompt_text, add_special_tokens=False)
+        else:
+            prompt = self.tokenizer.encode_chat(prompt_text)
         stream_filter = StreamFilter(
             self.markers, start_in_reasoning=prompt_opens_reasoning(prompt_text, self.markers)
         )
@@ -237,6 +196,15 @@ class OpenAIFront:
         if model is not None and model != self.model_id:
             message = f"the model {model!r} does not exist; this server serves {self.model_id!r}"
             raise ModelNotFoundError(message, param="model")
+
+    def _check_size(self, text_chars: int, param: str) -> None:
+        """Refuse before tokenizing when the text alone is longer than the context can be."""
+        ctx = self.context_length
+        at_least = self.tokenizer.tokens_at_least(text_chars)
+        if ctx is not None and at_least >= ctx:
+            message = (f"the prompt has at least {at_least} tokens; the model's context is "
+                       f"{ctx} tokens")  # fmt: skip
+            raise ContextLengthError(message, param=param)
 
     def _checked_token_ids(self, ids: list[int]) -> list[int]:
         if any(t >= self.tokenizer.vocab_size for t in ids):
@@ -343,24 +311,31 @@ def make_app(
     context_length: int | None = None,
     system_fingerprint: str | None = None,
     lifespan: Lifespan | None = None,
+    options: FrontOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app; ``context_length`` defaults to the tokenizer's config."""
     front = OpenAIFront(
         backend, tokenizer, model_id,
         context_length=context_length, system_fingerprint=system_fingerprint,
-        metrics=FrontMetrics(model_id),
+        metrics=FrontMetrics(model_id), options=options,
     )  # fmt: skip
-    app = FastAPI(
-        title="mlxcel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
-    install_error_handlers(app)
+    app = FastAPI(title="mlxcel", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")  # fmt: skip
+    install_error_handlers(app, front.refused)
     app.state.front = front
     # Plain Starlette routes: the handlers parse their own bodies, so FastAPI's
     # per-request dependency machinery would only add latency to the first token.
+    # Their models are declared for the schema only (``openapi_models``).
     app.router.routes.append(Route("/v1/chat/completions", front.chat_completions,
                                    methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", front.completions, methods=["POST"]))
-    app.add_api_route("/v1/models", front.models, methods=["GET"])
-    app.add_api_route("/health", front.health, methods=["GET"])
-    app.add_api_route("/metrics", front.render_metrics, methods=["GET"])
+    app.add_api_route("/v1/models", front.models, methods=["GET"], **ROUTE_DOCS["models"])
+    app.add_api_route("/health", front.health, methods=["GET"], **ROUTE_DOCS["health"])
+    app.add_api_route("/metrics", front.render_metrics, methods=["GET"], **ROUTE_DOCS["metrics"])
+    install_openapi(app)
+    keys = ApiKeys(front.options.api_keys)
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys,
+                           ops_require_key=front.options.metrics_require_key,
+                           refused=lambda exc: front.refused(exc.status_code, str(exc.code)))
     return app

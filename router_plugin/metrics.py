@@ -84,7 +84,8 @@ class FrontMetrics:
             registry=r,
         )  # fmt: skip
         self._errors = Counter(
-            "mlxcel:request_errors", "Requests that failed.", labels + ["code"], registry=r
+            "mlxcel:request_errors", "Requests that failed.", labels + ["code", "status"],
+            registry=r,
         )
         self._running = Gauge(
             "mlxcel:num_requests_running", "Requests being generated.", labels, registry=r
@@ -121,5 +122,8 @@ class FrontMetrics:
         self._success.labels(self._model, reason).inc()
         self._e2e.labels(self._model).observe(e2e_s)
 
-    def failed(self, code: str) -> None:
-        self._errors.labels(self._model, code).inc()
+    def failed(self, code: str, status: int | None = None) -> None:
+        """A refused or failed request; without ``status``, one that ended after it started."""
+        if status is None:
+            status = 499 if code == "cancelled" else 500  # 499: the client went away
+        self._errors.labels(self._model, code, str(status)).inc()

@@ -2,7 +2,10 @@
 
 Every problem raises ``InvalidRequestError`` naming the offending ``param``, so
 the client gets an OpenAI-shaped 400 instead of a framework 422/500. Unknown
-fields are ignored, as OpenAI-compatible servers commonly do.
+fields are ignored, as OpenAI-compatible servers commonly do. Integers must fit
+int64 (they travel in link frames); the body as a whole (size, depth, finite
+numbers, valid strings) was checked before (``request_limits``). A missing
+``model`` is accepted, as vLLM does: this server serves one model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ from mlxcel_plugin.engine_api import SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# apply_chat_template's own arguments: a client may not set them (a "chat_template"
+# kwarg would run the client's own template on the server).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,16 +52,6 @@ class CompletionParams:
     prompt: str | list[int]
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return body
-
-
 # -- typed field readers ------------------------------------------------------
 
 
@@ -66,12 +67,20 @@ def _bad(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"'{param}': {message}", param=param)
 
 
+def _show(value: Any) -> str:
+    """A value for an error message, cut short (it may be megabytes)."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def _int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if not _is_int(value):
-        raise _bad(name, f"expected an integer, got {json.dumps(value)}")
+        raise _bad(name, f"expected an integer, got {_show(value)}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise _bad(name, "must fit a signed 64-bit integer")
     if minimum is not None and value < minimum:
         raise _bad(name, f"must be at least {minimum}, got {value}")
     return value
@@ -82,7 +91,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     if value is None:
         return None
     if not _is_number(value):
-        raise _bad(name, f"expected a number, got {json.dumps(value)}")
+        raise _bad(name, f"expected a number, got {_show(value)}")
     if not low <= value <= high:
         raise _bad(name, f"must be between {low} and {high}, got {value}")
     return float(value)
@@ -93,14 +102,14 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(name, f"expected a boolean, got {json.dumps(value)}")
+        raise _bad(name, f"expected a boolean, got {_show(value)}")
     return value
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
-        raise _bad(name, f"expected a string, got {json.dumps(value)}")
+        raise _bad(name, f"expected a string, got {_show(value)}")
     return value
 
 
@@ -146,10 +155,12 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     return newer if newer is not None else older
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
+    if not stream:
+        raise _bad("stream_options", "only allowed when 'stream' is true (as OpenAI)")
     if not isinstance(options, dict):
         raise _bad("stream_options", "expected an object")
     return _bool(options, "include_usage")
@@ -183,13 +194,14 @@ def _check_response_format(value: Any) -> None:
 def _common(body: dict[str, Any]) -> CommonParams:
     _reject_unsupported(body)
     stream = _bool(body, "stream")
+    _optional_str(body, "user")  # unused, but OpenAI refuses a non-string
     return CommonParams(
         model=_optional_str(body, "model"),
         max_tokens=_max_tokens(body),
         sampling=_sampling(body),
         stop=_stop(body),
         stream=stream,
-        include_usage=stream and _include_usage(body),
+        include_usage=_include_usage(body, stream),
     )
 
 
@@ -231,14 +243,18 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise _bad(param, "expected an object")
     role = message.get("role")
-    if role not in ROLES:
-        raise _bad(f"{param}.role", f"expected one of {sorted(ROLES)}, got {json.dumps(role)}")
+    if not isinstance(role, str) or role not in ROLES:
+        raise _bad(f"{param}.role", f"expected one of {sorted(ROLES)}, got {_show(role)}")
     out = dict(message)
     # Most chat templates only know "system".
     out["role"] = "system" if role == "developer" else role
     out["content"] = _text_content(message.get("content"), f"{param}.content")
     if out["content"] is None and not message.get("tool_calls"):
         raise _bad(f"{param}.content", "a message needs content")
+    call_id = message.get("tool_call_id")
+    if (role == "tool" or call_id is not None) and not isinstance(call_id, str):
+        raise _bad(f"{param}.tool_call_id", "a tool message needs the string 'tool_call_id'")
+    _optional_str(message, "name")
     calls = message.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list):
@@ -250,15 +266,18 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if tools is None or choice == "none":
-        return None
-    if not isinstance(tools, list) or not all(
-        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
-    ):
-        raise _bad("tools", "expected a list of {'type': 'function', 'function': {...}}")
-    if choice not in (None, "auto"):
+    if choice not in (None, "auto", "none"):
         raise _bad("tool_choice", "only 'auto' and 'none' are supported")
-    return tools or None
+    if tools is not None and not (isinstance(tools, list) and all(map(_is_tool, tools))):
+        raise _bad("tools", "expected a list of {'type': 'function', 'function': {'name': ...}}")
+    return None if choice == "none" else tools or None
+
+
+def _is_tool(tool: Any) -> bool:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        return False
+    function = tool.get("function")
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatParams:
@@ -267,9 +286,13 @@ def parse_chat_request(body: dict[str, Any]) -> ChatParams:
         raise _bad("messages", "this field is required")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of messages")
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "expected an object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise _bad("chat_template_kwargs", f"cannot set {', '.join(reserved)}")
     return ChatParams(
         common=_common(body),
         messages=[_message(m, i) for i, m in enumerate(messages)],

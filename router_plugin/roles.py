@@ -30,6 +30,7 @@ from router_plugin.discovery import discover_pools
 from router_plugin.discovery.membership import with_membership
 from router_plugin.discovery.wiring import attach_discovery
 from router_plugin.front import make_app
+from router_plugin.front_options import FrontOptions
 from router_plugin.health import HealthConfig, HealthMonitor
 from router_plugin.node_pool import NodePool
 from router_plugin.peer_links import PeerLinks, make_dialer
@@ -74,6 +75,7 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
         tokenizer,
         served_model_name(config),
         lifespan=_engine_lifespan(engine),
+        options=FrontOptions.from_config(config),
     )
     register_prefix_cache(app.state.front.metrics.registry, lambda: engine.stats().prefix_cache)
     return app
@@ -82,8 +84,8 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
 def run_hybrid(config: Any, registry: PluginRegistry) -> None:
     """Serve until interrupted (``mlxcel_register_roles`` entry for ``hybrid``)."""
     app = make_hybrid_app(config, registry)
-    logger.info("hybrid node serving %s on http://%s:%s", served_model_name(config),
-                config.host, config.port)  # fmt: skip
+    logger.info("hybrid node serving %s on %s://%s:%s", served_model_name(config),
+                "https" if config.ssl_certfile else "http", config.host, config.port)  # fmt: skip
     _serve(app, config)
 
 
@@ -139,7 +141,7 @@ def make_router_app(config: Any, registry: PluginRegistry,
     backend = make_cluster_backend(config, registry, env)
     tokenizer = TextTokenizer.from_dir(_model_dir(config))
     app = make_app(backend, tokenizer, served_model_name(config),
-                   lifespan=_cluster_lifespan(backend))
+                   lifespan=_cluster_lifespan(backend), options=FrontOptions.from_config(config))
     queue_depth = backend.admission.__len__
     names = {role: balancer.name for role, balancer in backend.balancers.items()}
     route = make_stats_route(backend.stats, backend.pool, queue_depth, names, env=env)
@@ -173,4 +175,6 @@ def _serve(app: FastAPI, config: Any) -> None:
         log_level="warning",
         access_log=False,  # /metrics counts requests; a log line per request is pure cost
         timeout_graceful_shutdown=5,
+        ssl_keyfile=config.ssl_keyfile,  # HTTPS when both are given
+        ssl_certfile=config.ssl_certfile,
     )

@@ -4,11 +4,7 @@ import pytest
 
 from mlxcel_plugin.engine_api import SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError
-from router_plugin.openai_schema import (
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
+from router_plugin.openai_schema import parse_chat_request, parse_completion_request
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -61,7 +57,9 @@ def test_include_usage_only_when_streaming() -> None:
     assert parse_chat_request(
         {"messages": USER, "stream": True, "stream_options": opts}
     ).common.include_usage
-    assert not parse_chat_request({"messages": USER, "stream_options": opts}).common.include_usage
+    # As OpenAI: stream_options without stream is a 400, not silently ignored.
+    bad("stream_options", {"messages": USER, "stream_options": opts})
+    bad("stream_options", {"messages": USER, "stream": False, "stream_options": opts})
 
 
 def test_text_parts_flattened_and_developer_is_system() -> None:
@@ -154,7 +152,29 @@ def test_completion_rejects_echo_suffix_best_of() -> None:
     bad("logprobs", {"prompt": "a", "logprobs": 2}, parse_completion_request)
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'"x"', b"\xff\xfe", b"null"])
-def test_bad_json_bodies(raw: bytes) -> None:
-    with pytest.raises(InvalidRequestError):
-        parse_json_body(raw)
+
+@pytest.mark.parametrize(("param", "body"), [
+    ("messages[0].role", {"messages": [{"role": {}, "content": "a"}]}),
+    ("messages[0].role", {"messages": [{"role": [1], "content": "a"}]}),
+    ("messages[0].tool_call_id", {"messages": [{"role": "tool", "content": "42"}]}),
+    ("messages[0].tool_call_id", {"messages": [{"role": "tool", "content": "4",
+                                                "tool_call_id": 7}]}),
+    ("user", {"messages": USER, "user": {}}),
+    ("seed", {"messages": USER, "seed": 10**30}),
+    ("seed", {"messages": USER, "seed": -(2**70)}),
+    ("top_k", {"messages": USER, "top_k": 10**30}),
+    ("max_tokens", {"messages": USER, "max_tokens": 2**63}),
+    ("temperature", {"messages": USER, "temperature": float("nan")}),
+    ("min_p", {"messages": USER, "min_p": float("nan")}),
+    ("chat_template_kwargs", {"messages": USER, "chat_template_kwargs": {"chat_template": "x"}}),
+])  # fmt: skip
+def test_hardening_refusals(param: str, body: dict) -> None:
+    bad(param, body)
+
+
+def test_int64_edges_and_missing_model_accepted() -> None:
+    params = parse_chat_request({"messages": USER, "seed": 2**63 - 1, "top_k": 2**63 - 1})
+    assert params.common.sampling.seed == 2**63 - 1
+    assert parse_chat_request({"messages": USER, "seed": -(2**63)}).common.model is None
+    tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    assert parse_chat_request({"messages": [*USER, tool]}).messages[1]["tool_call_id"] == "call_1"
