@@ -14,6 +14,7 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, SamplingParams
 from mlxcel_plugin.kv_codecs import from_float32
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
+from mlxcel_plugin.kv_serde.layer_spec import ArraySpec, LayerSpec
 
 
 def make_fingerprint(
@@ -32,6 +33,40 @@ def make_fingerprint(
         dtype=dtype,
         cache_classes=tuple(kinds or ["KVCache"] * num_layers),
     )
+
+
+def mixed_fingerprint(dtype: str = "float16") -> ModelFingerprint:
+    """One layer of each described kind: MLA K/V, SSM state, quantized K/V, plain K/V."""
+    def grow(name: str, heads: int, width: int, kind_dtype: str = dtype, coded: bool = True):
+        return ArraySpec(name, (1, heads, 0, width), kind_dtype, 2, coded)
+
+    parts = (("", 8, "uint32"), (".scales", 2, dtype), (".biases", 2, dtype))
+    quant = tuple(grow(f"{t}{part}", 2, w, d, False) for t in "kv" for part, w, d in parts)
+    layers = (
+        LayerSpec("KVCache", (grow("k", 1, 24), grow("v", 1, 8))),
+        LayerSpec("ArraysCache", (ArraySpec("s0", (1, 3, 40), dtype),
+                                  ArraySpec("s1", (1, 4, 8, 6), "float32"))),
+        LayerSpec("QuantizedKVCache", quant),
+        LayerSpec("KVCache", (grow("k", 2, 16), grow("v", 2, 16))),
+    )
+    return ModelFingerprint("hybrid", len(layers), 0, 0, dtype,
+                            tuple(layer.kind for layer in layers), layers=layers)
+
+
+def make_described_cache(fingerprint: ModelFingerprint, tokens: int, seed: int = 0) -> CacheState:
+    """Random arrays of every layer as its spec describes them (fixed-size state included)."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for spec in fingerprint.layers:
+        arrays = {}
+        for array in spec.arrays:
+            shape = array.shape_for(tokens)
+            if array.dtype == "uint32":
+                arrays[array.name] = rng.integers(0, 2**32, size=shape, dtype=np.uint32)
+            else:
+                arrays[array.name] = make_tensor(rng, shape, array.dtype)
+        layers.append(CacheLayer.of_arrays(spec.kind, arrays, fingerprint.dtype, tokens))
+    return CacheState(layers)
 
 
 def make_tensor(
@@ -113,7 +148,9 @@ def assert_caches_equal(actual: CacheState, expected: CacheState) -> None:
         )
         if not same:
             raise AssertionError(f"layer {index}: kind/dtype/offset/meta differ")
-        for name in ("keys", "values"):
-            a, b = getattr(got, name), getattr(want, name)
+        if got.arrays().keys() != want.arrays().keys():
+            raise AssertionError(f"layer {index}: arrays {list(got.arrays())} differ")
+        for name, b in want.arrays().items():
+            a = got.array(name)
             if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b):
                 raise AssertionError(f"layer {index} {name} differ")
