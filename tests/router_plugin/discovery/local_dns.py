@@ -6,7 +6,7 @@ import ipaddress
 import threading
 
 from dnslib import AAAA, QTYPE, RR, A, DNSRecord
-from dnslib.server import BaseResolver, DNSServer
+from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 TTL_S = 1
 
@@ -36,7 +36,8 @@ class RecordsResolver(BaseResolver):
 class LocalDns:
     def __init__(self) -> None:
         self.resolver = RecordsResolver()
-        self.server = DNSServer(self.resolver, port=0, address="127.0.0.1")
+        quiet = DNSLogger(logf=lambda _: None)  # a line per query otherwise
+        self.server = DNSServer(self.resolver, port=0, address="127.0.0.1", logger=quiet)
 
     @property
     def nameserver(self) -> str:
