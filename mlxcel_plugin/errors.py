@@ -98,6 +98,17 @@ class NoHealthyNodeError(AtCapacityError):
     code = "no_healthy_node"
 
 
+class NodeDrainingError(AtCapacityError):
+    """The node got SIGTERM: it finishes its work but takes none.
+
+    Sent as an ERROR frame without ``request_id`` on each router link (the node
+    is draining); a REQUEST it refuses meanwhile gets plain ``at_capacity``, so
+    any router re-places it (docs/cluster-flow.md, "Failure detection and drain").
+    """
+
+    code = "node_draining"
+
+
 class ProtocolError(MlxcelError):
     """A peer broke the link protocol (bad record, frame, handshake)."""
 

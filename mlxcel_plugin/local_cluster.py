@@ -1,14 +1,18 @@
 """Start a router + prefill + decode cluster (or one hybrid node) on 127.0.0.1.
 
 Used by the quick start, the integration tests and the benchmarks: real
-processes, real sockets, stopped by PID.
+processes, real sockets, stopped by PID. Each node runs in its own process
+group, so a terminal's Ctrl-C reaches only the parent, which stops the nodes
+itself: SIGTERM to each (they drain: in-flight requests finish), then waits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +26,9 @@ from pathlib import Path
 from mlxcel_plugin.link import generate_secret_file
 
 LOOPBACK = "127.0.0.1"
+# A node gets this long to drain after SIGTERM before SIGKILL: its default
+# [node] drain_timeout_s (30 s) plus time to close.
+STOP_TIMEOUT_S = 40.0
 
 
 # Below the kernels' ephemeral ranges (Linux 32768+, macOS 49152+): between our pick and the
@@ -84,14 +91,24 @@ class NodeProcess:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """SIGTERM: the node drains, then exits. SIGCONT too, so a stopped node hears it."""
         if self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=timeout_s)
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                os.kill(self.process.pid, signal.SIGCONT)
+
+    def wait_stopped(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Wait for the exit (SIGKILL after ``timeout_s``); returns the exit status."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        self.terminate()
+        return self.wait_stopped(timeout_s)
 
 
 def pin_process(pid: int, cores: Collection[int]) -> bool:
@@ -133,8 +150,10 @@ def start_node(
     argv += args
     log_path = workdir / f"{name or role}-{port}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its whole life
+    # Its own process group: a terminal's SIGINT goes to the parent only, which forwards it.
     process = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        process_group=0,
     )
     log.close()
     if cpu_affinity:
@@ -204,9 +223,12 @@ class LocalCluster:
             raise
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM to every node at once (they drain side by side), then wait for each."""
         for node in reversed(self.nodes):
-            node.stop()
+            node.terminate()
+        for node in reversed(self.nodes):
+            node.wait_stopped(timeout_s)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -3,13 +3,16 @@
 ``python -m mlxcel_plugin.quickstart`` starts the three processes on the
 embedded default model (generating a cluster secret), asks one chat question
 through the router, prints the answer, and stops — or keeps serving with
-``--serve`` until Ctrl-C.
+``--serve`` until Ctrl-C or SIGTERM. Either signal stops the three nodes
+(each drains: in-flight requests finish) and waits for them before exiting.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -40,7 +43,20 @@ def served_model(base_url: str) -> str:
         return json.loads(response.read())["data"][0]["id"]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: unwinds into the cluster's ``with``, which stops the nodes."""
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("stopped: the nodes drained and exited", flush=True)
+
+
+def run(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="quickstart", description=__doc__)
     parser.add_argument("--port", type=int, default=8080, help="router HTTP port")
     parser.add_argument("--model", help="checkpoint dir (default: embedded SmolLM2)")
@@ -48,7 +64,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--serve", action="store_true", help="keep serving after the demo")
     parser.add_argument("--workdir", default=".cache/quickstart", help="logs and cluster.secret")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     cluster = LocalCluster(Path(args.workdir), model=args.model, router_port=args.port)
     print("starting router + prefill + decode on 127.0.0.1 ...", flush=True)
@@ -65,11 +81,8 @@ def main() -> None:
         print(f"usage: {reply['usage']}  model: {model}")
         if args.serve:
             print(f"\nserving at {base_url}/v1 — Ctrl-C to stop")
-            try:
-                while all(node.process.poll() is None for node in cluster.nodes):
-                    time.sleep(1.0)
-            except KeyboardInterrupt:
-                pass
+            while all(node.process.poll() is None for node in cluster.nodes):
+                time.sleep(1.0)
 
 
 if __name__ == "__main__":

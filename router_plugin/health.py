@@ -1,9 +1,13 @@
 """Health of the router's peers: a periodic probe, and the re-probe before a refusal.
 
-The monitor probes every peer each ``interval_s``: a connected peer must
-answer a PING within ``ping_timeout_s`` (else its link is closed and its
-requests fail over); a disconnected one gets its dialer woken early, so a
-restarted node is back in the pool within about one interval.
+Every ``interval_s`` the monitor pings each connected peer and drops the
+link of one that sent nothing at all (no telemetry, result or PONG) for
+``ping_timeout_s``: a hung node (SIGSTOP, a wedged loop) is marked
+unreachable within ``ping_timeout_s`` + one interval, and its requests hear
+``lost`` at once (the link is aborted, not closed with a handshake the hung
+peer would never answer). Nodes answer PINGs on their link's reader task,
+not behind the engine, so a busy node still answers. Disconnected peers are
+redialed by their own dialers, with backoff.
 
 Before answering 503 because no prefill (or decode) node is healthy, the
 router asks ``reprobe``: single-flight through ``ReprobeGate`` (at most one
@@ -23,7 +27,6 @@ from typing import Any
 
 from mlxcel_plugin.config import dataclass_from_mapping
 from router_plugin.admission import RefusalCause, ReprobeGate
-from router_plugin.node_pool import NodeHealth
 from router_plugin.peer_links import PeerLink, PeerLinks
 
 logger = logging.getLogger(__name__)
@@ -33,8 +36,10 @@ logger = logging.getLogger(__name__)
 class HealthConfig:
     """TOML section ``[health]``."""
 
-    interval_s: float = 1.0
-    ping_timeout_s: float = 5.0  # generous: a busy 2-core node still answers in time
+    interval_s: float = 0.5
+    # Nodes send telemetry every 0.5 s and PONG on their reader task: 1.5 s of silence
+    # is a hung node, not a busy one (docs/cluster-flow.md, "Failure detection and drain").
+    ping_timeout_s: float = 1.5
     reprobe_min_interval_s: float = 0.25
     reprobe_connect_timeout_s: float = 0.5
 
@@ -64,16 +69,27 @@ class HealthMonitor:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
+        interval_s = self.config.interval_s
+        last_tick_s = self._clock()
         while True:  # until close() cancels it
-            await asyncio.sleep(self.config.interval_s)
-            await asyncio.gather(*(self._probe(peer) for peer in self.peers.peers.values()))
+            await asyncio.sleep(interval_s)
+            now = self._clock()
+            # A tick this late means this loop stalled: what peers sent meanwhile may still
+            # be unread, so their silence proves nothing this round.
+            stalled = now - last_tick_s > interval_s + self.config.ping_timeout_s / 2
+            last_tick_s = now
+            await asyncio.gather(*(self._check(peer, stalled)
+                                   for peer in list(self.peers.peers.values())))
 
-    async def _probe(self, peer: PeerLink) -> None:
-        if peer.connected:
-            if not await peer.probe(self.config.ping_timeout_s):
-                await peer.drop(f"no PONG within {self.config.ping_timeout_s}s")
-        elif self.peers.pool.health(peer.node_id) is not NodeHealth.DRAINING:
-            await peer.probe(self.config.reprobe_connect_timeout_s)
+    async def _check(self, peer: PeerLink, stalled: bool) -> None:
+        if not peer.connected:
+            return
+        silent_s = peer.silent_s()
+        if silent_s > self.config.ping_timeout_s and not stalled:
+            await peer.drop(f"silent for {silent_s:.1f}s (ping_timeout_s "
+                            f"{self.config.ping_timeout_s})")
+        else:
+            peer.ping()
 
     # ------------------------------------------------------------ re-probe before a refusal
 

@@ -6,8 +6,14 @@ hands RESULT/ERROR frames to the per-request sink registered under their
 is marked Unreachable, every request routed over it hears ``lost`` (the
 cluster backend re-routes or ends it), and the peer is dialed again in the
 background; once it answers, the pool marks it Healthy and it takes traffic
-again. The health monitor wakes the dialer early (``probe``) instead of
-dialing on its own, so there is only ever one dialer per peer.
+again. Redials back off (``Redial``): a peer that fails right after each
+handshake is dialed ever more slowly, up to the backoff's cap. A re-probe
+before a refusal wakes the dialer early (``probe``) instead of dialing on its
+own, so there is only ever one dialer per peer. Every frame the peer sends
+counts as a sign of life (``silent_s``); the health monitor drops a link that
+stays silent too long (``abort``: no close handshake with a hung peer). A node
+that says it is draining (ERROR ``node_draining``) is marked Draining: it
+finishes what it has and gets nothing new.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, fields
 
-from mlxcel_plugin.errors import HandshakeError, NodeLostError
+from mlxcel_plugin.errors import HandshakeError, NodeDrainingError, NodeLostError
 from mlxcel_plugin.link import RETRYABLE, Backoff, ClusterSecret, Link, LinkConfig, dial_link
+from mlxcel_plugin.link.dial import Redial
 from mlxcel_plugin.link.protocol.frames import (
     Cancel,
     ErrorFrame,
@@ -75,7 +82,9 @@ class PeerLink:
                  backoff: Backoff = DEFAULT_BACKOFF, clock: Clock = time.monotonic,
                  on_change: Callable[[], None] = lambda: None):
         self.node_id, self.role, self.address = node_id, role, address
-        self._dial, self._pool, self._backoff, self._clock = dial, pool, backoff, clock
+        self._dial, self._pool, self._clock = dial, pool, clock
+        self.redial = Redial(backoff, f"router link to {node_id}", clock=clock)
+        self.last_heard_s = clock()
         self.on_change = on_change  # load or health changed: the admission queue may move
         self.link: Link | None = None
         self._routes: dict[str, Sink] = {}
@@ -140,6 +149,17 @@ class PeerLink:
             return False
         return self.connected
 
+    def silent_s(self) -> float:
+        """Seconds since the peer last sent anything (telemetry, results, pongs)."""
+        return self._clock() - self.last_heard_s
+
+    def ping(self) -> None:
+        """Ask for a sign of life without waiting for it (the PONG refreshes ``silent_s``)."""
+        self._next_nonce += 1
+        link = self.link
+        if link is not None and not link.closed:
+            link.try_send(Ping(self._next_nonce, self._clock()).to_frame())  # full: it is busy
+
     async def _ping(self, timeout_s: float) -> bool:
         self._next_nonce += 1
         nonce = self._next_nonce
@@ -156,56 +176,64 @@ class PeerLink:
             self._pongs.pop(nonce, None)
 
     async def drop(self, reason: str) -> None:
-        """Close a link that stopped answering; the reader then fails its requests."""
+        """Drop a link that stopped answering, at once; the reader then fails its requests."""
         link = self.link
         if link is not None:
-            logger.warning("closing the link to %s: %s", self.node_id, reason)
-            await link.close(flush=False)
+            logger.warning("dropping the link to %s: %s", self.node_id, reason)
+            await link.abort()
 
     # ------------------------------------------------------------ the dialer/reader task
 
     async def _run(self) -> None:
         while True:  # until close() cancels the task
             link = await self._connect()
-            self.link = link
+            self.link, self.last_heard_s = link, self._clock()
+            self.redial.connected()
             self._pool.mark_healthy(self.node_id, self._clock())
-            logger.info("connected to %s (%s %s)", self.node_id, link.peer_role,
-                        link.peer_node_id)
+            if not self.redial.flapping:  # a flapping peer is logged per backoff step instead
+                logger.info("connected to %s (%s %s)", self.node_id, link.peer_role,
+                            link.peer_node_id)
             self.on_change()
             error = await self._read(link)
+            delay_s = self.redial.lost()
             self._lost(link, error)
+            if delay_s > 0:
+                await self._sleep_or_wake(delay_s)
 
     async def _connect(self) -> Link:
-        attempt = 0
         while True:  # until a dial succeeds; each failure sleeps with backoff
+            self.redial.dialing()
             try:
                 link = await self._dial(self.address, self.role)
             except RETRYABLE as exc:
                 # An at-capacity peer is not asked again before the retry-after it announced.
                 retry_after_s = exc.retry_after_s if isinstance(exc, PeerAtCapacity) else 0.0
-                delay_s = max(self._backoff.delay_s(attempt), retry_after_s)
+                delay_s = self.redial.failed(f"dial failed: {type(exc).__name__}", retry_after_s)
                 self._dial_failed(type(exc).__name__)
             except HandshakeError as exc:
                 # Wrong secret, role or version: will not heal by itself; retry slowly.
-                delay_s = self._backoff.max_s
-                logger.error("%s refused the router link: %s", self.node_id, exc.message)
+                delay_s = self.redial.failed(f"handshake refused: {exc.message}",
+                                             self.redial.backoff.max_s)
                 self._dial_failed(exc.code or "handshake_failed")
             else:
                 self._attempted.set()
                 return link
-            attempt += 1
             await self._sleep_or_wake(delay_s)
 
     def _dial_failed(self, error: str) -> None:
-        if self._pool.mark_unreachable(self.node_id, self._clock(), error):
-            logger.warning("%s unreachable (%s)", self.node_id, error)
+        self._pool.mark_unreachable(self.node_id, self._clock(), error)  # Redial logs it
         self._attempted.set()
 
     async def _sleep_or_wake(self, delay_s: float) -> None:
+        """Wait out a backoff delay; a re-probe may cut it short, except for a flapping peer."""
         self._wake.clear()
         try:
             async with asyncio.timeout(delay_s):
-                await self._wake.wait()
+                while True:  # until the timeout, or a wake that may shorten the delay
+                    await self._wake.wait()
+                    if not self.redial.flapping:
+                        return
+                    self._wake.clear()  # the probe waits for the attempt the backoff makes
         except TimeoutError:
             return
 
@@ -221,7 +249,8 @@ class PeerLink:
 
     def _lost(self, link: Link, error: str) -> None:
         self.link = None
-        if self._pool.mark_unreachable(self.node_id, self._clock(), error):
+        changed = self._pool.mark_unreachable(self.node_id, self._clock(), error)
+        if changed and not self.redial.flapping:
             logger.warning("lost the link to %s (%s)", self.node_id, error)
         routes, self._routes = self._routes, {}
         for sink in routes.values():
@@ -235,6 +264,7 @@ class PeerLink:
     # ------------------------------------------------------------ frames
 
     def _dispatch(self, frame: Frame) -> None:
+        self.last_heard_s = self._clock()
         kind = frame.type
         if kind is FrameType.RESULT:
             result = Result.from_frame(frame)
@@ -257,6 +287,11 @@ class PeerLink:
         # else: a late frame for a finished or cancelled request; nothing waits for it.
 
     def _error(self, error: ErrorFrame) -> None:
+        if error.request_id is None and error.code == NodeDrainingError.code:
+            if self._pool.mark_draining(self.node_id, self._clock()):
+                logger.info("%s is draining: no new requests go there", self.node_id)
+                self.on_change()
+            return
         if error.request_id is None:
             logger.warning("%s reported %s: %s", self.node_id, error.code, error.message)
             return

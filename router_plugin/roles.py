@@ -20,6 +20,7 @@ from mlxcel_plugin.engine_api import Engine
 from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.link import require_cluster_secret
+from mlxcel_plugin.nodes.roles import node_settings
 from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.prefix_cache_metrics import register_prefix_cache
 from mlxcel_plugin.text import TextTokenizer
@@ -29,6 +30,7 @@ from router_plugin.cluster_backend import ClusterBackend, RouterConfig
 from router_plugin.discovery import discover_pools
 from router_plugin.discovery.membership import with_membership
 from router_plugin.discovery.wiring import attach_discovery
+from router_plugin.drain import DrainGate, DrainingServer
 from router_plugin.front import make_app
 from router_plugin.front_options import FrontOptions
 from router_plugin.health import HealthConfig, HealthMonitor
@@ -39,6 +41,9 @@ from router_plugin.stats import RouterCollector, RouterStats, make_stats_route
 from router_plugin.stream_bridge import DECODE, PREFILL
 
 logger = logging.getLogger(__name__)
+
+# The drain already waited for in-flight requests: what is left after it is cancelled soon.
+CANCEL_AFTER_DRAIN_S = 1
 
 
 def _model_dir(config: Any) -> str:
@@ -166,15 +171,18 @@ def run_router(config: Any, registry: PluginRegistry) -> None:
 
 
 def _serve(app: FastAPI, config: Any) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (``drain.py``) and return (exit status 0)."""
     freeze_startup_heap()  # imports and the app: full GC passes stay short
-    uvicorn.run(
-        app,
+    gate = DrainGate(app, app.state.front)
+    server_config = uvicorn.Config(
+        gate,
         host=config.host,
         port=config.port,
         workers=1,
         log_level="warning",
         access_log=False,  # /metrics counts requests; a log line per request is pure cost
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S,
         ssl_keyfile=config.ssl_keyfile,  # HTTPS when both are given
         ssl_certfile=config.ssl_certfile,
     )
+    DrainingServer(server_config, gate, node_settings(config).drain_timeout_s).run()

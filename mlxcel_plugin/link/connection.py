@@ -237,6 +237,24 @@ class Link:
             return
         if flush and self.error is None:
             await self._flush_quietly()
+        await self._shut_down()
+        # The close handshake (bounded by close_timeout_s) runs after wait_closed() returns:
+        # nobody waiting for the link to go waits on a peer that may never answer.
+        await self._ws.close(code, reason)
+
+    async def abort(self) -> None:
+        """Drop the link at once: nothing more sent, no close handshake; idempotent.
+
+        For a peer that stopped answering (a hung or SIGSTOPped process): a close
+        handshake would wait ``close_timeout_s`` for it.
+        """
+        if self._closed:
+            await self._done.wait()
+            return
+        self._ws.transport.abort()
+        await self._shut_down()
+
+    async def _shut_down(self) -> None:
         self._mark_closed()
         current = asyncio.current_task()
         for task in self._tasks:
@@ -246,7 +264,6 @@ class Link:
                              return_exceptions=True)
         if self._bulk is not None:
             await self._bulk.stop()
-        await self._ws.close(code, reason)
         self._done.set()
 
     async def wait_closed(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
@@ -90,6 +91,68 @@ class Backoff:
     def delay_s(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
         base = min(self.max_s, self.initial_s * self.factor ** attempt)
         return base * (1 + self.jitter * (2 * rng() - 1))
+
+
+class Redial:
+    """When to dial one peer again, and what to log: one line per backoff step, not per dial.
+
+    A failed dial, or a link that dropped less than ``stable_s`` after its
+    handshake (a peer that accepts and then fails), lengthens the delay by one
+    backoff step; a link that stayed up ``stable_s`` starts over at once. Each
+    step below the cap logs one WARNING; at the cap one line every
+    ``log_every_s`` sums up the dials since.
+    """
+
+    def __init__(self, backoff: Backoff, name: str, *, stable_s: float = 5.0,
+                 log_every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 rng: Callable[[], float] = random.random):
+        self.backoff, self.name = backoff, name
+        self.stable_s, self.log_every_s, self._clock, self._rng = stable_s, log_every_s, clock, rng
+        self.streak = 0  # failures in a row
+        self.dials = 0  # attempts, for stats and tests
+        self._up_since_s: float | None = None
+        self._young_losses = 0  # links in a row that dropped right after their handshake
+        self._unlogged = 0
+        self._logged_s = float("-inf")
+
+    @property
+    def flapping(self) -> bool:
+        """Links keep dropping right after their handshakes: the peer is up but failing,
+        and dialing it sooner than the backoff says would only fail again."""
+        return self._young_losses >= 2
+
+    def dialing(self) -> None:
+        self.dials += 1
+
+    def connected(self) -> None:
+        self._up_since_s = self._clock()
+
+    def lost(self) -> float:
+        """The link dropped: 0 after a stable link (redial now), else the next backoff delay."""
+        up_since_s, self._up_since_s = self._up_since_s, None
+        lived_s = 0.0 if up_since_s is None else self._clock() - up_since_s
+        if lived_s >= self.stable_s:
+            self.streak, self._young_losses = 0, 0
+            return 0.0
+        young_losses = self._young_losses + 1
+        delay_s = self.failed(f"link dropped {lived_s:.2f}s after its handshake")
+        self._young_losses = young_losses
+        return delay_s
+
+    def failed(self, reason: str, min_delay_s: float = 0.0) -> float:
+        """A dial failed (or a link died young); returns how long to wait before the next."""
+        self._young_losses = 0
+        delay_s = max(self.backoff.delay_s(self.streak, self._rng), min_delay_s)
+        at_cap = self.backoff.initial_s * self.backoff.factor ** self.streak >= self.backoff.max_s
+        self.streak += 1
+        self._unlogged += 1
+        now = self._clock()
+        if not at_cap or now - self._logged_s >= self.log_every_s:
+            logger.warning("%s: %s; %d failed dial(s) since the last line, %d in a row; "
+                           "next in %.2fs", self.name, reason, self._unlogged, self.streak,
+                           delay_s)
+            self._unlogged, self._logged_s = 0, now
+        return delay_s
 
 
 # Worth another try: the peer is down, restarting, busy, or the network blipped.

@@ -54,6 +54,7 @@ from mlxcel_plugin.link.protocol.frames import (
     Result,
     Telemetry,
 )
+from mlxcel_plugin.nodes.drain import NodeDrain
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics, register_inference_extension
@@ -115,6 +116,7 @@ class DecodeNode:
         self.ready: dict[str, _Ready] = {}
         self.live: dict[str, _Live] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self.drain = NodeDrain(node_id)  # SIGTERM: refuse new claims, finish what is here
         self._prefill_outboxes: dict[Link, Outbox] = {}
         self._tokens: EngineMailbox[TokenEvent] | None = None  # made on the loop
         stats = self.scheduler.stats
@@ -180,7 +182,7 @@ class DecodeNode:
             frame,
             on_request=lambda request: self._on_claim(outbox, request),
             on_cancel=lambda request_id: self.cancel(request_id, "cancelled by the router"),
-            reply=outbox.put,
+            reply=outbox.put, admit=self.drain.admit,
         )
 
     def _on_prefill_frame(self, link: Link, outbox: Outbox, frame: Frame) -> None:

@@ -1,5 +1,8 @@
 """``GET /health`` and ``GET /metrics`` of a prefill or decode node (uvicorn + Starlette).
 
+``/health`` is readiness (as ``/health/ready``): 503 once the node drains;
+``/health/live`` stays 200 while the process serves at all.
+
 The server runs on the node's own event loop, beside its links. Request heads are
 bounded in size and in time, and connections in number, so a slow or hostile client
 costs one small, short-lived connection; every error is a short OpenAI-shaped JSON body.
@@ -36,6 +39,7 @@ _ERROR_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
 class OpsRoutes:
     health: Callable[[], dict[str, Any]]
     metrics: Callable[[], tuple[bytes, str]]  # (body, content type)
+    ready: Callable[[], bool] = lambda: True  # False while draining: readiness answers 503
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,18 @@ def error_body(status: int, message: str) -> bytes:
 
 
 def ops_app(routes: OpsRoutes) -> Starlette:
-    """``/health`` (JSON) and ``/metrics`` (the exposition format); GET and HEAD only."""
+    """``/health`` (JSON), ``/health/ready``, ``/health/live`` and ``/metrics`` (the exposition
+    format); GET and HEAD only."""
 
     async def health(_: Request) -> Response:
         # json.dumps, not JSONResponse: a NaN estimate must not turn health into a 500.
-        return Response(json.dumps(routes.health()), media_type=JSON_TYPE)
+        if routes.ready():
+            return Response(json.dumps(routes.health()), media_type=JSON_TYPE)
+        body = {**routes.health(), "status": "draining"}
+        return Response(json.dumps(body), 503, media_type=JSON_TYPE)
+
+    async def live(_: Request) -> Response:
+        return Response(json.dumps({"status": "ok"}), media_type=JSON_TYPE)
 
     async def metrics(_: Request) -> Response:
         body, content_type = routes.metrics()
@@ -75,6 +86,8 @@ def ops_app(routes: OpsRoutes) -> Starlette:
         return Response(error_body(status, message), status, headers, JSON_TYPE)
 
     app = Starlette(routes=[Route("/health", health, methods=["GET"]),
+                            Route("/health/ready", health, methods=["GET"]),
+                            Route("/health/live", live, methods=["GET"]),
                             Route("/metrics", metrics, methods=["GET"])],
                     exception_handlers={HTTPException: on_http_error, Exception: on_http_error})
     app.router.redirect_slashes = False  # /health/ is unknown, not a redirect

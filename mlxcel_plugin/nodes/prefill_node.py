@@ -37,6 +37,7 @@ from mlxcel_plugin.link.protocol.frames import (
     Telemetry,
 )
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
+from mlxcel_plugin.nodes.drain import NodeDrain
 from mlxcel_plugin.nodes.handoff_policy import FINAL_REFUSALS, delta_prefix_tokens, retries_in_full
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics, register_inference_extension
@@ -103,6 +104,7 @@ class PrefillNode:
         self.last_choice: dict[str, Any] | None = None
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
         self.jobs: dict[str, _Job] = {}
+        self.drain = NodeDrain(node_id)  # SIGTERM: refuse new requests, finish these jobs
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
         register_inference_extension(self.metrics.registry, self.telemetry)
@@ -161,7 +163,7 @@ class PrefillNode:
     def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
         dispatch_router_frame(frame, lambda request: self._on_request(outbox, request),
                               lambda request_id: self.cancel(request_id, "cancelled by the router"),
-                              outbox.put)
+                              outbox.put, self.drain.admit)
 
     def _on_request(self, outbox: Outbox, frame: Request) -> None:
         if frame.claim:

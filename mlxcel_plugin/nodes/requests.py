@@ -60,16 +60,20 @@ def dispatch_router_frame(
     on_request: Callable[[Request], None],
     on_cancel: Callable[[str], None],
     reply: Callable[[Frame], None],
+    admit: Callable[[Request], None] = lambda request: None,
 ) -> None:
     """One frame from a router link: REQUEST or CANCEL; a bad one gets a named ERROR frame.
 
     Both node kinds share this, so a router sees the same error codes from either.
+    ``admit`` may refuse a REQUEST by raising (a draining node: ``nodes/drain.py``).
     """
     request_id = frame.header.get("request_id")
     request_id = request_id if isinstance(request_id, str) else None
     try:
         if frame.type is FrameType.REQUEST:
-            on_request(Request.from_frame(frame))
+            request = Request.from_frame(frame)
+            admit(request)
+            on_request(request)
         elif frame.type is FrameType.CANCEL:
             on_cancel(Cancel.from_frame(frame).request_id)
         else:

@@ -2,17 +2,16 @@
 
 Each loads the cluster secret (refusing to start without one), builds the
 engine through the plugin registry, serves links on ``--serving-bind`` and
-``/health`` + ``/metrics`` on ``--host:--port`` (``ops_server``), and shuts
-down cleanly on SIGTERM/SIGINT.
+``/health`` + ``/metrics`` on ``--host:--port`` (``ops_server``), and on
+SIGTERM/SIGINT drains (``drain``: no new work, in-flight requests finish,
+at most ``[node] drain_timeout_s``), then shuts down cleanly and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -23,6 +22,7 @@ from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
+from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
 from mlxcel_plugin.nodes.mdns_advert import advertise
 from mlxcel_plugin.nodes.ops_server import OpsRoutes, OpsServer
@@ -44,6 +44,9 @@ class NodeSettings:
 
     telemetry_interval_s: float = 0.5
     max_links: int = 64
+    # After SIGTERM, in-flight requests get this long to finish; the rest are cancelled
+    # (their routers migrate them).
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 def transfer_config(config: ServerConfig) -> TransferConfig:
@@ -164,25 +167,52 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         runner.run(main)
 
 
+def in_flight(node: PrefillNode | DecodeNode) -> int:
+    """Requests the node still works on: what a drain waits for."""
+    if isinstance(node, PrefillNode):
+        return len(node.jobs)
+    return len(node.live) + len(node.claims) + len(node.local) + len(node.ready)
+
+
 async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engine,
                       build: Callable[[], Any], accept_roles: set[str]) -> None:
+    with StopSignals().installed() as signals:
+        await _serve_until_drained(config, secret, engine, build, accept_roles, signals)
+
+
+async def _drained(node: PrefillNode | DecodeNode, settings: NodeSettings,
+                   signals: StopSignals) -> None:
+    """Wait for the first signal, then drain: no new work, in-flight finishes (bounded)."""
+    await signals.drain.wait()
+    node.drain.begin()
+    left = await wait_drained(lambda: in_flight(node), settings.drain_timeout_s,
+                              signals.stop_now)
+    if left:
+        logger.warning("node %s: %d request(s) still in flight after the drain; cancelling "
+                       "them", node.node_id, left)
+
+
+async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engine: Engine,
+                               build: Callable[[], Any], accept_roles: set[str],
+                               signals: StopSignals) -> None:
     # start() may warm up for seconds: keep the loop free (signals) meanwhile.
     await asyncio.to_thread(engine.start)
     node = build()
     freeze_startup_heap()  # the model, tokenizer and imports: never scanned again
     settings = node_settings(config)
-    on_link = _with_telemetry(node.serve, node.telemetry, settings.telemetry_interval_s)
+    on_link = _with_telemetry(node.serve, node.telemetry, settings.telemetry_interval_s,
+                              node.drain)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
                               config=link_config(config.role))
-    ops = await OpsServer.start(config.host, config.port,
-                                OpsRoutes(node.health, node.metrics.render))
+    ops = await OpsServer.start(config.host, config.port, OpsRoutes(
+        node.health, node.metrics.render, ready=lambda: not node.drain.draining))
     advert = await advertise(config, node.node_id)  # None unless --advertise mdns
     housekeeping = asyncio.create_task(node.housekeeping(), name="housekeeping")
     logger.info("%s node %s: links on %s, health/metrics on http://%s:%d", config.role,
                 node.node_id, links.address, config.host, config.port)
     try:
-        await _until_signalled()
+        await _drained(node, settings, signals)
     finally:
         logger.info("%s node %s shutting down", config.role, node.node_id)
         housekeeping.cancel()
@@ -195,24 +225,19 @@ async def _serve_node(config: ServerConfig, secret: ClusterSecret, engine: Engin
 
 
 def _with_telemetry(serve: Callable[[Link], Awaitable[None]], snapshot: Callable[[], Any],
-                    interval_s: float) -> Callable[[Link], Awaitable[None]]:
+                    interval_s: float, drain: NodeDrain) -> Callable[[Link], Awaitable[None]]:
+    """Router links get telemetry, and hear when the node drains."""
+
     async def on_link(link: Link) -> None:
         telemetry = None
         if link.peer_role == "router":
             telemetry = asyncio.create_task(send_telemetry(link, snapshot, interval_s))
+            drain.add_router(link)
         try:
             await serve(link)
         finally:
+            drain.remove_router(link)
             if telemetry is not None:
                 telemetry.cancel()
 
     return on_link
-
-
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):  # no signal handlers off the main thread
-            loop.add_signal_handler(signum, stop.set)
-    await stop.wait()

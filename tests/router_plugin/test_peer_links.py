@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 
-from mlxcel_plugin.link import Backoff
+from mlxcel_plugin.errors import NodeDrainingError
+from mlxcel_plugin.link import Backoff, serve_links
 from mlxcel_plugin.link.protocol.frames import ErrorFrame, Result
 from mlxcel_plugin.testing.fake_peers import SECRET, FakeDecode, FakePrefill
 from router_plugin.node_pool import NodeHealth, NodePool
@@ -105,6 +107,70 @@ def test_a_peer_of_the_wrong_role_is_refused() -> None:
         peers.start()
         await wait_for(lambda: pool.health("prefill-0") is NodeHealth.UNREACHABLE)
         assert not peers["prefill-0"].connected
+        await peers.close()
+        await decode.stop()
+
+    run(main())
+
+
+def test_a_peer_that_fails_right_after_each_handshake_is_redialed_with_backoff(caplog) -> None:
+    """Before backoff across links, such a peer got thousands of dials in seconds."""
+
+    async def main():
+        accepted = []
+
+        async def close_at_once(link):
+            accepted.append(link)  # the link closes when this returns
+
+        server = await serve_links("127.0.0.1:0", SECRET, "decode", "flaky", {"router"},
+                                   close_at_once)
+        pool = NodePool.from_peers([], [f"127.0.0.1:{server.port}"])
+        peers = PeerLinks(pool, make_dialer(SECRET, "router-test"),
+                          backoff=Backoff(initial_s=0.02, max_s=0.2))
+        with caplog.at_level(logging.INFO):
+            peers.start()
+            for _ in range(20):  # 2 s of 0.1 s re-probes, which must not cut the backoff short
+                await peers["decode-0"].probe(0.1)
+            await peers.close()
+        await server.close()
+        # 0.02 + 0.04 + 0.08 + 0.16 s, then every 0.2 s: about 12 dials in 2 s.
+        assert 5 <= len(accepted) <= 25
+        assert peers["decode-0"].redial.dials == len(accepted)
+        router_lines = [r for r in caplog.records if r.name.startswith(("router_plugin",
+                                                                         "mlxcel_plugin"))
+                        and r.levelno >= logging.WARNING]
+        assert len(router_lines) <= 8  # one per backoff step below the cap, then quiet
+
+    run(main())
+
+
+def test_a_draining_node_is_marked_draining_and_healthy_again_after_a_reconnect() -> None:
+    async def main():
+        decode = FakeDecode()
+        pool, peers = await started(decode)
+        node_link = next(iter(decode.links))
+        await node_link.send(ErrorFrame(NodeDrainingError.code, "bye", None).to_frame())
+        await wait_for(lambda: pool.health("decode-0") is NodeHealth.DRAINING)
+        assert not pool.views("decode", time.monotonic())[0].healthy  # no new placements
+        await decode.stop()
+        await wait_for(lambda: pool.health("decode-0") is NodeHealth.UNREACHABLE)
+        await decode.start()
+        await wait_for(lambda: pool.health("decode-0") is NodeHealth.HEALTHY)
+        await peers.close()
+        await decode.stop()
+
+    run(main())
+
+
+def test_every_frame_is_a_sign_of_life_and_ping_asks_for_one() -> None:
+    async def main():
+        decode = FakeDecode(telemetry_interval_s=60.0)
+        pool, peers = await started(decode)
+        peer = peers["decode-0"]
+        await asyncio.sleep(0.2)
+        assert peer.silent_s() >= 0.2
+        peer.ping()  # the node's link answers on its reader task
+        await wait_for(lambda: peer.silent_s() < 0.1)
         await peers.close()
         await decode.stop()
 

@@ -217,3 +217,22 @@ def test_a_taken_port_fails_the_start():
                 await OpsServer.start(HOST, taken.getsockname()[1], plain_routes())
 
     asyncio.run(main())
+
+
+def test_readiness_fails_while_draining_and_liveness_does_not():
+    draining = {"on": False}
+    routes = OpsRoutes(lambda: HEALTH, decode_metrics().render, ready=lambda: not draining["on"])
+
+    async def check(_: OpsServer, url: str) -> None:
+        async with httpx.AsyncClient() as client:
+            for path in ("/health", "/health/ready", "/health/live"):
+                assert (await client.get(f"{url}{path}")).status_code == 200
+            draining["on"] = True
+            for path in ("/health", "/health/ready"):
+                response = await client.get(f"{url}{path}")
+                assert response.status_code == 503
+                assert response.json() == {**HEALTH, "status": "draining"}
+            live = await client.get(f"{url}/health/live")
+            assert (live.status_code, live.json()) == (200, {"status": "ok"})
+
+    serve(check, routes=routes)
