@@ -55,6 +55,7 @@ class OutgoingHandoff:
     started_s: float = field(default_factory=time.monotonic)
     finished_s: float | None = None  # the cache was complete (prefill ended)
     sent_bytes: int = 0
+    sent_by_finish_bytes: int = 0  # went out during prefill, at its pace rather than the link's
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
     first_token: int | None = None  # set by finish()
@@ -93,6 +94,7 @@ class OutgoingHandoff:
 
     def finish(self, first_token: int) -> None:
         self.finished_s = time.monotonic()
+        self.sent_by_finish_bytes = self.sent_bytes
         self.first_token = first_token  # goes out with the end
         if not self.aborted:
             try:

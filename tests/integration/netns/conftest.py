@@ -18,7 +18,6 @@ from mlxcel_plugin.testing.netns import NetnsTopology, unavailable_reason
 from mlxcel_plugin.testing.netns_nodes import NetnsNodes
 
 GBIT = 1e9
-pytestmark = pytest.mark.timeout(600)
 
 def require_netns() -> None:
     reason = unavailable_reason()

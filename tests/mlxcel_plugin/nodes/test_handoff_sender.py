@@ -84,6 +84,30 @@ def test_a_stalled_lane_does_not_hold_up_the_others_and_each_lane_keeps_its_orde
     asyncio.run(scenario())
 
 
+def test_bytes_sent_before_the_cache_was_complete_are_told_apart():
+    async def scenario():
+        fingerprint = make_fingerprint(num_layers=4)
+        cache = make_cache(fingerprint, 40, seed=3)
+        strategy = LayerParallelTransfer(StrategyOptions(lanes=1))
+        handoff = OutgoingHandoff(make_header(fingerprint, 40), strategy, "decode-1")
+        handoff.push(strategy.start(handoff.header))
+
+        async def ready():
+            return [FakeLane()]
+
+        handoff.run(asyncio.ensure_future(ready()))
+        for index, layer in enumerate(cache.layers[:3]):  # streamed while prefill runs
+            handoff.add_layer(index, layer)
+        await settle()
+        during_prefill = handoff.sent_bytes
+        handoff.add_layer(3, cache.layers[3])
+        handoff.finish(first_token=7)
+        await settle()
+        assert 0 < during_prefill == handoff.sent_by_finish_bytes < handoff.sent_bytes
+
+    asyncio.run(scenario())
+
+
 def test_a_lane_that_fails_fails_the_handoff_and_stops_the_other_lanes():
     async def scenario():
         stalled, broken = FakeLane(stall=True), FakeLane(fail=True)
