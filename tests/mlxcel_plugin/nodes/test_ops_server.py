@@ -172,7 +172,7 @@ def test_connections_beyond_the_limit_get_503():
 
 def test_the_node_keeps_its_signal_handlers():
     async def main() -> None:
-        # As roles._until_signalled: the node's own loop handler, installed first.
+        # As nodes/drain.StopSignals: the node's own loop handler, installed first.
         loop, stopped = asyncio.get_running_loop(), asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stopped.set)
         try:
