@@ -7,6 +7,7 @@ files; skipping ``transformers`` keeps engine start-up fast.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from engines.cache_layout import describe_model, dtype_name
 from mlxcel_plugin.engine_api import ModelInfo
 from mlxcel_plugin.errors import ConfigError
 
+log = logging.getLogger(__name__)
 DEFAULT_CONTEXT_LENGTH = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
 
@@ -93,6 +95,10 @@ def cache_fingerprint(model: nn.Module, architecture: str) -> dict[str, Any]:
     ``kv_heads``/``head_dim`` are set for uniform K/V models only (older peers read them).
     """
     specs = describe_model(model)
+    stuck = sorted({spec.kind for spec in specs if not spec.arrays})
+    if stuck:  # the node serves hybrid requests; prefills for a handoff are refused by name
+        log.warning("%s cannot run disaggregated: cache classes %s cannot be handed off",
+                    architecture, stuck)
     kv_heads = head_dim = 0
     shapes = {a.shape for spec in specs for a in spec.arrays}
     uniform = all(spec.names == ("k", "v") for spec in specs) and len(shapes) == 1

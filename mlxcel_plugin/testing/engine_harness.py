@@ -33,7 +33,6 @@ from mlxcel_plugin.engine_api import (
     kv_buffer_maker,
     layer_adopter,
 )
-from mlxcel_plugin.kv_codecs import WIRE_DTYPES
 from mlxcel_plugin.kv_serde import (
     HandoffHeader,
     KVAssembler,
@@ -42,6 +41,7 @@ from mlxcel_plugin.kv_serde import (
     SerializableSamplingState,
     assemble_messages,
 )
+from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.transfer import FullTransfer, StrategyOptions, plan_transfer
 
 EngineFactory = Callable[[], Engine]
@@ -196,24 +196,25 @@ def check_natural_end(log: EventLog, info: ModelInfo, request: GenerationRequest
 
 
 def check_cache_matches(cache: CacheState, fingerprint: dict, prompt_length: int) -> None:
-    """Layers, kinds, dtype, shapes and offsets as ``info.fingerprint`` declares them."""
+    """Layers, kinds, dtype, arrays and offsets as ``info.fingerprint`` declares them."""
     parsed = ModelFingerprint.from_dict(fingerprint)
     assert isinstance(cache, CacheState), type(cache)
     assert len(cache.layers) == parsed.num_layers
-    for index, (layer, kind) in enumerate(zip(cache.layers, parsed.cache_classes, strict=True)):
-        assert (layer.kind, layer.dtype) == (kind, parsed.dtype), f"layer {index}"
+    for index, (layer, spec) in enumerate(zip(cache.layers, parsed.layers, strict=True)):
+        assert layer.kind == spec.kind, f"layer {index}: {layer.kind} is not {spec.kind}"
+        assert layer.keys is None or layer.dtype == parsed.dtype, f"layer {index}: {layer.dtype}"
         assert layer.offset == prompt_length, f"layer {index}: offset {layer.offset}"
-        for tensor in (layer.keys, layer.values):
-            check_layer_tensor(index, layer, tensor, parsed)
+        assert set(layer.arrays()) == set(spec.names), f"layer {index}: {list(layer.arrays())}"
+        for array_spec in spec.arrays:
+            check_layer_tensor(index, layer, layer.array(array_spec.name), array_spec)
 
 
-def check_layer_tensor(
-    index: int, layer: CacheLayer, tensor: np.ndarray, fingerprint: ModelFingerprint
-) -> None:
-    assert isinstance(tensor, np.ndarray), f"layer {index}: K/V must be numpy arrays"
-    assert tensor.dtype == WIRE_DTYPES[fingerprint.dtype], f"layer {index}: {tensor.dtype}"
-    batch, heads, tokens, head_dim = tensor.shape
-    assert (batch, heads, head_dim) == (1, fingerprint.kv_heads, fingerprint.head_dim)
+def check_layer_tensor(index: int, layer: CacheLayer, tensor: np.ndarray, spec: ArraySpec) -> None:
+    assert isinstance(tensor, np.ndarray), f"layer {index}: arrays must be numpy arrays"
+    assert tensor.dtype == spec.storage, f"layer {index} {spec.name}: {tensor.dtype}"
+    axis = spec.grow_axis
+    tokens = tensor.shape[axis] if axis is not None and tensor.ndim > axis else 1
+    assert tensor.shape == spec.shape_for(tokens), f"layer {index} {spec.name}: {tensor.shape}"
     # A KVCache is sliced to its offset; a RotatingKVCache keeps at most its window.
     held_ok = tokens == layer.offset if layer.kind == "KVCache" else tokens <= layer.offset
     assert held_ok, f"layer {index}: {tokens} positions held for offset {layer.offset}"
