@@ -138,7 +138,7 @@ class RoutedRequest:
         self.bridge = StreamBridge()
         self.inbox: asyncio.Queue[tuple[int, PeerEvent]] = asyncio.Queue()
         self.placement: Placement | None = None
-        self.excluded: set[str] = set()  # nodes that failed this request before a token
+        self.excluded: set[str] = set()  # nodes that failed this request (never tried again)
         self.index = 0  # completion index of the next token
         self.cached_tokens = 0  # prompt tokens a node had cached (from its first Result)
         self.refused = False  # answered 503: no node could take it
@@ -152,7 +152,7 @@ class RoutedRequest:
                 batch: list[TokenEvent] = []
                 for attempt, event in await self._next_events():
                     if attempt != self.placement.attempt:
-                        continue  # queued before a re-route; the attempt it belongs to is gone
+                        continue  # queued before a re-route or migration; its attempt is gone
                     for output in await self._on_event(event):
                         batch += self._token_events(output)
                 if batch:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import ChaosCluster, Outcome, fake_model_dir
+from tests.chaos.harness import STREAM_DEADLINE_S, ChaosCluster, Outcome, fake_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -83,6 +83,7 @@ def assert_exact(outcomes: list[Outcome], baseline: dict[str, str],
                  prompts: list[str] = PROMPTS) -> None:
     for prompt, outcome in zip(prompts, outcomes, strict=True):
         assert outcome.ok, outcome
+        assert outcome.elapsed_s < STREAM_DEADLINE_S  # no stream hung, whatever the fault
         assert outcome.text == baseline[prompt]
 
 

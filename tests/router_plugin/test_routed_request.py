@@ -12,10 +12,16 @@ import pytest
 from mlxcel_plugin.balancer_api import RequestInfo
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.link import Backoff
+from mlxcel_plugin.link.protocol.frames import Result
 from mlxcel_plugin.testing.fake_peers import EOS, SECRET, FakeDecode, FakePrefill, echo_script
 from router_plugin.node_pool import NodePool
-from router_plugin.peer_links import PeerLink, PeerLinks, make_dialer
-from router_plugin.routed_request import RoutedRequest, RoutingContext, wire_id
+from router_plugin.peer_links import PeerEvent, PeerLink, PeerLinks, make_dialer
+from router_plugin.routed_request import (
+    RoutedRequest,
+    RoutingContext,
+    failed_result_as_error,
+    wire_id,
+)
 from router_plugin.stats import RouterStats
 
 pytestmark = pytest.mark.timeout(60)
@@ -172,3 +178,14 @@ def test_placing_a_request_records_its_prefix_on_both_nodes() -> None:
 
 def replace_id(request: GenerationRequest, request_id: str) -> GenerationRequest:
     return dataclasses.replace(request, request_id=request_id)
+
+
+def test_a_failed_result_reads_as_the_nodes_error() -> None:
+    failed = PeerEvent("prefill", "p0", result=Result("r", 1, [], FINISH_ERROR, 1,
+                                                        "handoff failed"))
+    as_error = failed_result_as_error(failed)
+    assert (as_error.source, as_error.node_id, as_error.error) == ("prefill", "p0",
+                                                                   "handoff failed")
+    assert as_error.result is None and not as_error.lost
+    fine = PeerEvent("decode", "d0", result=Result("r", 2, [5], "stop", 3))
+    assert failed_result_as_error(fine) is fine
