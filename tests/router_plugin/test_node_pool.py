@@ -139,3 +139,31 @@ def test_consecutive_failures_reset_on_recovery():
 def test_stats_verbose_env(value, verbose):
     assert stats_verbose_from_env({"MLXCEL_ROUTER_STATS_VERBOSE": value}) is verbose
     assert stats_verbose_from_env({}) is False
+
+
+# --- membership that changes at runtime (router_plugin/discovery/membership.py) ------
+
+
+def test_from_peers_leaves_dns_entries_to_the_dns_source():
+    pool = NodePool.from_peers(["a:1"], ["dns:decode.svc:9000", "b:2"])
+    assert [(pool.role(i), pool.address(i)) for i in pool.ids()] == [("prefill", "a:1"),
+                                                                      ("decode", "b:2")]
+
+
+def test_undrain_serves_a_connected_node_and_reprobes_a_disconnected_one():
+    pool = NodePool.from_peers([], ["a:1", "b:2"])
+    for node_id in pool.ids():
+        pool.mark_draining(node_id, now=1.0)
+    assert pool.undrain("decode-0", connected=True, now=2.0)
+    assert pool.health("decode-0") is NodeHealth.HEALTHY
+    assert pool.undrain("decode-1", connected=False, now=2.0)
+    assert "decode-1" in pool.probe_candidates("decode")
+    assert not pool.undrain("decode-0", connected=True, now=3.0)  # not draining: no change
+
+
+def test_in_flight_counts_dispatches_not_yet_finished():
+    pool = NodePool.from_peers([], ["a:1"])
+    pool.on_dispatch("decode-0")
+    pool.on_dispatch("decode-0")
+    pool.on_finish("decode-0")
+    assert pool.in_flight("decode-0") == 1
