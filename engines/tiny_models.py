@@ -37,7 +37,9 @@ _SSM = {"state_size": 8, "conv_kernel": 4, "expand": 2, "time_step_rank": 8, "us
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen3": {},
-    "mistral": {"model_type": "llama", "sliding_window": 32},
+    # mlx-lm serves mistral with its llama class, which wants one full-attention layer.
+    "mistral": {"sliding_window": 32,
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
     "gemma3_text": {"sliding_window": 32, "sliding_window_pattern": 2,
                     "query_pre_attn_scalar": 16, "num_hidden_layers": 4},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32,
