@@ -7,6 +7,7 @@ every request must succeed while a decode node joins or drains.
 from __future__ import annotations
 
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,6 +141,25 @@ def test_a_node_with_another_models_fingerprint_is_refused_with_one_log_line(
     lines = [line for line in router.log_path.read_text().splitlines() if "refusing" in line]
     assert len(lines) == 1 and second in lines[0] and "model fingerprint" in lines[0], lines
     assert node_entry(router_stats(router.url), "decode", second) is None
+
+
+def test_sighup_makes_the_router_reread_the_peers_file_at_once(file_cluster: LocalCluster):
+    prefill, first, second = (n.serving_bind for n in file_cluster.nodes)
+    peers = file_cluster.workdir / "peers.toml"
+    write_peers_file(peers, [prefill], [first])
+    config = file_cluster.workdir / "slow.toml"
+    config.write_text("[discovery]\ninterval_s = 3600\n")  # only the signal re-reads it
+    args = [*file_cluster.node_args(), "--distributed-config", str(config),
+            "--peers-file", str(peers)]
+    router = start_node("router", file_cluster.workdir, args,
+                        env={"MLXCEL_ROUTER_STATS_VERBOSE": "1"})
+    file_cluster.nodes.append(router)
+    router.wait_healthy(STARTUP_TIMEOUT_S)
+    write_peers_file(peers, [prefill], [first, second])
+    router.process.send_signal(signal.SIGHUP)
+    wait_until(lambda: node_entry(router_stats(router.url), "decode", second) is not None,
+               CHANGE_TIMEOUT_S)
+    assert router.process.poll() is None  # SIGHUP re-reads; it does not stop the router
 
 
 def test_dns_names_follow_their_records_under_load(tmp_path, tiny_model_path):
