@@ -120,3 +120,21 @@ def test_a_kind_described_without_arrays_cannot_be_handed_off():
     parsed = ModelFingerprint.from_dict(fp.to_dict())  # a node still starts with it
     with pytest.raises(UnsupportedCacheKind, match="ChunkedKVCache"):
         parsed.check_supported()
+
+
+def test_raw_arrays_land_in_place_even_under_a_compressing_codec():
+    """The link may decrypt SSM state and packed words straight into their buffers."""
+    cache, messages = _messages("lz4")
+    assembler = KVAssembler(FP, builtin_codecs())
+    assembler.feed(messages[0])
+    result = None
+    for message in messages[1:]:
+        if message.kind == "chunk":
+            spec = FP.layers[message.header["layer"]].array(message.header["tensor"])
+            dest = assembler.chunk_destination(message.header)
+            assert (dest is None) == spec.coded, spec.name
+            if dest is not None:
+                dest[:] = message.body
+                message = dataclasses.replace(message, body=dest)
+        result = assembler.feed(message) or result
+    assert_caches_equal(result.cache, cache)
