@@ -4,7 +4,7 @@ A handoff layer is one *leaf* cache: ``make_prompt_cache(model)`` flattened,
 a ``CacheList`` (attention + SSM in one layer) contributing each of its
 caches. Each leaf kind maps to named arrays (docs/architectures.md):
 
-* ``KVCache``/``RotatingKVCache``: ``k``, ``v`` ``[1, heads, T, dim]``; MLA
+* ``KVCache``/``RotatingKVCache``/``ChunkedKVCache``: ``k``, ``v`` ``[1, heads, T, dim]``; MLA
   models give K and V different widths (or one latent head): the shapes say so.
 * ``QuantizedKVCache`` (``kv_bits``): ``k``/``v`` packed uint32 words plus
   ``k.scales``, ``k.biases``, ``v.scales``, ``v.biases``, shipped as they are.
@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -33,7 +34,8 @@ from mlx_lm.models.cache import (
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec, LayerSpec
 
-HANDOFF_KINDS = ("KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache")
+HANDOFF_KINDS = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache",
+                 "ArraysCache")
 PROBE_TOKENS = (0, 1)
 _QUANT_PARTS = ("", ".scales", ".biases")
 
@@ -74,6 +76,9 @@ def live_arrays(cache: Any) -> dict[str, mx.array]:
     """A leaf cache's arrays by handoff name, K/V cut to the live tokens (temporal order)."""
     if isinstance(cache, RotatingKVCache):
         return {"k": cache._temporal_order(cache.keys), "v": cache._temporal_order(cache.values)}
+    if isinstance(cache, ChunkedKVCache):  # llama4's local layers: the last chunk_size tokens
+        keys, values = cache.keys_and_values()
+        return {"k": keys, "v": values}
     if isinstance(cache, QuantizedKVCache):
         keys, values = cache.keys_and_values()
         named = {f"k{p}": a for p, a in zip(_QUANT_PARTS, keys, strict=True)}
@@ -91,6 +96,8 @@ def live_arrays(cache: Any) -> dict[str, mx.array]:
 def layer_meta(cache: Any, held_tokens: int) -> dict[str, Any]:
     if isinstance(cache, RotatingKVCache):
         return {"max_size": cache.max_size, "keep": cache.keep, "idx": held_tokens}
+    if isinstance(cache, ChunkedKVCache):
+        return {"chunk_size": cache.chunk_size, "start_position": cache.start_position}
     if isinstance(cache, QuantizedKVCache):
         return {"group_size": cache.group_size, "bits": cache.bits}
     if isinstance(cache, ArraysCache):
@@ -145,6 +152,10 @@ def rebuild_leaf(kind: str, arrays: dict[str, mx.array], offset: int,
     elif kind == "RotatingKVCache":
         cache = RotatingKVCache(max_size=int(meta["max_size"]), keep=int(meta["keep"]))
         cache._idx = int(meta.get("idx", arrays["k"].shape[2]))
+        cache.keys, cache.values = arrays["k"], arrays["v"]
+    elif kind == "ChunkedKVCache":
+        cache = ChunkedKVCache(int(meta["chunk_size"]))
+        cache.start_position = int(meta["start_position"])
         cache.keys, cache.values = arrays["k"], arrays["v"]
     elif kind == "KVCache":
         cache = KVCache()

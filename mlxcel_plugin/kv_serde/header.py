@@ -32,7 +32,7 @@ SERDE_VERSION = 1  # a full handoff
 DELTA_SERDE_VERSION = 2
 SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION)
 SUPPORTED_CACHE_KINDS = frozenset(
-    {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache"}
+    {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache", "ChunkedKVCache"}
 )
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 65536

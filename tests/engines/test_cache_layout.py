@@ -7,7 +7,7 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from engines import cache_layout, kv_convert, model_loader
@@ -92,12 +92,24 @@ def test_quantized_kv_cache_goes_over_the_wire_packed_and_decodes_the_same():
 
 def test_a_model_with_a_kind_that_cannot_travel_starts_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(model_loader, "describe_model",
-                        lambda model: [LayerSpec("ChunkedKVCache", ())])
+                        lambda model: [LayerSpec("MysteryCache", ())])
     monkeypatch.setattr(model_loader, "activation_dtype", lambda model: mx.float32)
     with caplog.at_level(logging.WARNING, logger="engines.model_loader"):
         fingerprint = model_loader.cache_fingerprint(object(), "llama4")
-    assert "cannot run disaggregated" in caplog.text and "ChunkedKVCache" in caplog.text
-    assert ModelFingerprint.from_dict(fingerprint).cache_classes == ("ChunkedKVCache",)
+    assert "cannot run disaggregated" in caplog.text and "MysteryCache" in caplog.text
+    assert ModelFingerprint.from_dict(fingerprint).cache_classes == ("MysteryCache",)
+
+
+def test_a_chunked_cache_keeps_its_window_start():
+    cache = ChunkedKVCache(chunk_size=8)
+    for _ in range(3):
+        cache.update_and_fetch(mx.ones((1, 1, 5, 4)), mx.ones((1, 1, 5, 4)))
+        cache.maybe_trim_front()
+    layer = kv_convert.to_cache_layer(cache)
+    assert layer.meta == {"chunk_size": 8, "start_position": 7} and layer.keys.shape[2] == 8
+    rebuilt = kv_convert.from_cache_layer(layer)
+    assert (rebuilt.offset, rebuilt.start_position) == (15, 7)
+    assert mx.array_equal(rebuilt.keys_and_values()[0], cache.keys_and_values()[0]).item()
 
 
 def test_cache_state_of_a_hybrid_model_lists_leaves():

@@ -115,10 +115,10 @@ def test_sender_and_receiver_must_describe_the_same_layers():
 
 
 def test_a_kind_described_without_arrays_cannot_be_handed_off():
-    fp = ModelFingerprint("llama4", 1, 0, 0, "float16", ("ChunkedKVCache",),
-                          layers=(LayerSpec("ChunkedKVCache", ()),))
+    fp = ModelFingerprint("llama4", 1, 0, 0, "float16", ("MysteryCache",),
+                          layers=(LayerSpec("MysteryCache", ()),))
     parsed = ModelFingerprint.from_dict(fp.to_dict())  # a node still starts with it
-    with pytest.raises(UnsupportedCacheKind, match="ChunkedKVCache"):
+    with pytest.raises(UnsupportedCacheKind, match="MysteryCache"):
         parsed.check_supported()
 
 
