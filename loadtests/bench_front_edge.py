@@ -82,22 +82,33 @@ async def _asgi_post(app, body: bytes, headers: list[tuple[bytes, bytes]]) -> in
     return status
 
 
+class InstantBackend:
+    """Answers every request with one token at once: no engine thread, only the front's work."""
+
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+
+    def is_ready(self) -> bool:
+        return True
+
+    async def stream(self, request):
+        from mlxcel_plugin.engine_api import TokenEvent
+
+        yield [TokenEvent(request.request_id, 0, self.token_id, finish_reason="length")]
+
+
 def _make_app(tokenizer, with_key: bool):
-    from mlxcel_plugin.testing.fake_engine import FakeEngine
-    from router_plugin.backend import LocalEngineBackend
     from router_plugin.front import make_app
 
-    ids = tokenizer.encode("hi", add_special_tokens=False)
-    engine = FakeEngine.scripted(lambda request: ids + [2])
-    engine.start()
+    backend = InstantBackend(tokenizer.encode("hi", add_special_tokens=False)[0])
     kwargs = {}
     if with_key:
         if "options" not in inspect.signature(make_app).parameters:
-            return None, engine
+            return None
         from router_plugin.front_options import FrontOptions
 
         kwargs["options"] = FrontOptions(api_keys=frozenset({KEY}))
-    return make_app(LocalEngineBackend(engine), tokenizer, "bench", **kwargs), engine
+    return make_app(backend, tokenizer, "bench", **kwargs)
 
 
 async def _front_cost_us(app, requests: int, headers) -> float:
@@ -105,27 +116,29 @@ async def _front_cost_us(app, requests: int, headers) -> float:
         assert await _asgi_post(app, BODY, headers) == 200
     samples = []
     for _ in range(requests):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: other processes on the machine do not count
         status = await _asgi_post(app, BODY, headers)
-        samples.append(time.perf_counter() - start)
+        samples.append(time.process_time() - start)
         assert status == 200, status
-    return statistics.median(samples) * 1e6
+    return statistics.mean(samples) * 1e6
 
 
-def front_cost(model_dir: str, requests: int) -> dict[str, float | None]:
+def front_cost(model_dir: str, requests: int, rounds: int = 5) -> dict[str, float | None]:
+    """Mean CPU µs per request, the best of ``rounds`` alternating rounds per variant."""
     from mlxcel_plugin.text import TextTokenizer
 
     tokenizer = TextTokenizer.from_dir(model_dir)
-    figures: dict[str, float | None] = {}
-    for name, with_key in (("no_key", False), ("api_key", True)):
-        app, engine = _make_app(tokenizer, with_key)
-        try:
-            headers = [(b"authorization", f"Bearer {KEY}".encode())] if with_key else []
-            figures[name] = None if app is None else asyncio.run(
-                _front_cost_us(app, requests, headers))
-        finally:
-            engine.close()
-    return figures
+    variants = {"no_key": False, "api_key": True}
+    apps = {name: _make_app(tokenizer, with_key) for name, with_key in variants.items()}
+    best: dict[str, float | None] = dict.fromkeys(variants)
+    for _ in range(rounds):
+        for name, app in apps.items():
+            if app is None:
+                continue
+            headers = [(b"authorization", f"Bearer {KEY}".encode())] if variants[name] else []
+            cost = asyncio.run(_front_cost_us(app, requests, headers))
+            best[name] = cost if best[name] is None else min(best[name], cost)
+    return best
 
 
 # ---------------------------------------------------------------- 10 MB stall (real sockets)
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "PYTHONPATH": args.base})
         cost_rows.append([f"base {args.base}", *json.loads(out.stdout.splitlines()[-1]).values()])
     cost = [[r[0], *(None if v is None else round(v, 1) for v in r[1:])] for r in cost_rows]
-    tables = [table("front cost per request, median µs (in-process ASGI)",
+    tables = [table("front CPU per request, µs (in-process ASGI, best of 5 rounds)",
                     ["tree", "no key", "with --api-key"], cost)]
     if not args.skip_stall:
         import tempfile

@@ -32,6 +32,8 @@ Environment (all optional):
 ``MLXCEL_LOCUST_PROMPT_MIX``            e.g. ``short:6,medium:3,long:1`` (the default)
 ``MLXCEL_LOCUST_WAIT_S``                max think time between requests (default 0)
 ``MLXCEL_LOCUST_SEED``                  prompt RNG seed (default 0; each user offsets it)
+``MLXCEL_API_KEY``                      sent as ``Authorization: Bearer`` (the first key
+                                        if comma-separated; the server's ``--api-key``)
 ======================================  ===========================================
 """
 
@@ -60,6 +62,9 @@ COMPLETION_WEIGHT = int(os.environ.get("MLXCEL_LOCUST_COMPLETION_WEIGHT", "1"))
 PROMPT_MIX = parse_mix(os.environ.get("MLXCEL_LOCUST_PROMPT_MIX", DEFAULT_MIX))
 WAIT_S = float(os.environ.get("MLXCEL_LOCUST_WAIT_S", "0"))
 SEED = int(os.environ.get("MLXCEL_LOCUST_SEED", "0"))
+# The server's own variable: a locust run on the server's machine needs no extra setting.
+API_KEY = (os.environ.get("MLXCEL_API_KEY") or "").split(",")[0].strip()
+AUTH = {"Authorization": f"Bearer {API_KEY}"} if API_KEY else {}
 
 METRIC = "METRIC"
 _user_ids = itertools.count()
@@ -78,7 +83,8 @@ class StreamingUser(FastHttpUser):
             StreamingUser.model_name = self._discover_model()
 
     def _discover_model(self) -> str:
-        with self.client.get("/v1/models", name="GET /v1/models", catch_response=True) as resp:
+        with self.client.get("/v1/models", name="GET /v1/models", headers=AUTH,
+                             catch_response=True) as resp:  # fmt: skip
             try:
                 models = resp.json().get("data") or []
                 return models[0]["id"]
@@ -98,7 +104,7 @@ class StreamingUser(FastHttpUser):
         prompt = sample_prompt(self.rng, PROMPT_MIX)
         path, body = request_for(kind, self.model_name or "", prompt, MAX_TOKENS, TEMPERATURE)
         # identity: a compressed SSE body could not be read line by line as it arrives.
-        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity", **AUTH}
         start = time.perf_counter()
         with self.client.post(
             path,

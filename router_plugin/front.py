@@ -326,9 +326,11 @@ def make_app(
     # Plain Starlette routes: the handlers parse their own bodies, so FastAPI's
     # per-request dependency machinery would only add latency to the first token.
     # Their models are declared for the schema only (``openapi_models``).
-    app.router.routes.append(Route("/v1/chat/completions", front.chat_completions,
-                                   methods=["POST"]))
-    app.router.routes.append(Route("/v1/completions", front.completions, methods=["POST"]))
+    # First in the table: matched before the docs routes FastAPI adds.
+    app.router.routes[:0] = [
+        Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+    ]
     app.add_api_route("/v1/models", front.models, methods=["GET"], **ROUTE_DOCS["models"])
     app.add_api_route("/health", front.health, methods=["GET"], **ROUTE_DOCS["health"])
     app.add_api_route("/metrics", front.render_metrics, methods=["GET"], **ROUTE_DOCS["metrics"])

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from mlxcel_plugin.errors import (
     InvalidRequestError,
@@ -43,36 +44,73 @@ def _too_large(limit: int) -> RequestTooLargeError:
                                 "(--max-request-bytes)")  # fmt: skip
 
 
+def _declared(request: Request) -> tuple[str | None, bytes | None]:
+    """Content-Type and Content-Length, read straight from the scope (hot path)."""
+    content_type = length = None
+    for name, value in request.scope["headers"]:
+        if name == b"content-type":
+            content_type = value.decode("latin-1")
+        elif name == b"content-length":
+            length = value
+    return content_type, length
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused (413) as soon as it is known to pass ``limit`` bytes."""
-    check_media_type(request.headers.get("content-type"))
-    declared = request.headers.get("content-length")
+    content_type, declared = _declared(request)
+    check_media_type(content_type)
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    return b"".join(chunks)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _refuse_constant(name: str) -> Any:
     raise InvalidRequestError(f"the request body has {name}; JSON numbers must be finite")
 
 
+# One decoder: json.loads with arguments would build a new one per request.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+# A number the parser turns into inf has a 3-digit exponent or over 308 digits
+# (two searches: one alternation is several times slower).
+_BIG_EXPONENT = re.compile(rb"[eE][+]?\d{3}")
+_LONG_NUMBER = re.compile(rb"\d{309}")
+
+
+def _needs_walk(raw: bytes, max_depth: int) -> bool:
+    """False when ``raw`` cannot hold what ``check_tree`` refuses (most bodies: one scan).
+
+    A lone surrogate needs a ``\\u`` escape (UTF-8 cannot carry one), depth needs
+    that many brackets, a non-finite number an overflowing literal.
+    """
+    return (b"\\u" in raw or raw.count(b"[") + raw.count(b"{") > max_depth
+            or _BIG_EXPONENT.search(raw) is not None
+            or (len(raw) > 308 and _LONG_NUMBER.search(raw) is not None))  # fmt: skip
+
+
 def parse_json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
-    """``raw`` as a JSON object, checked by ``check_tree``."""
+    """``raw`` (UTF-8, -16 or -32, as ``json.loads`` reads bytes) as a JSON object, checked."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        encoding = json.detect_encoding(raw)
+        body = _DECODER.decode(raw.decode(encoding))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise InvalidRequestError("the request body is nested too deeply") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    check_tree(body, max_depth)
+    if not encoding.startswith("utf-8") or _needs_walk(raw, max_depth):
+        check_tree(body, max_depth)
     return body
 
 

@@ -152,6 +152,15 @@ def test_bad_json_bodies(raw: bytes) -> None:
         parse_json_body(raw, 64)
 
 
+def test_the_quick_scan_misses_nothing() -> None:
+    for raw in (b'{"a": ' + b"1" * 400 + b".5}", b'{"a": 1E+999}',
+                json.dumps({"t": "\udc00"}).encode("utf-16"),
+                json.dumps({"a": [[[[1]]]]}).encode("utf-32")):  # fmt: skip
+        with pytest.raises(InvalidRequestError):
+            parse_json_body(raw, 3)
+    assert parse_json_body(b'{"a": 1e99, "b": "\\u00e9"}', 3) == {"a": 1e99, "b": "\u00e9"}
+
+
 def test_tree_depth_and_surrogate_pairs() -> None:
     check_tree({"a": [[[1]]]}, 4)
     with pytest.raises(InvalidRequestError):
