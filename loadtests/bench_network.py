@@ -83,8 +83,8 @@ CONFIGS = {
     "auto-lossy": {"strategy": "auto", "codec": "auto", "allow_lossy": True},
 }
 QUICK_CONFIGS = ("full-none", "streamed-none", "full-auto-lossy", "auto-lossy")
-COLUMNS = ["Gbit/s", "prompt", "config", "chosen", "KV MiB", "wire MiB", "TTFT s", "TT2T s",
-           "handoff s", "eff x link", "prefill CPU s/GiB", "decode CPU s/GiB"]
+COLUMNS = ["Gbit/s", "prompt", "config", "chosen", "seen MB/s", "KV MiB", "wire MiB", "TTFT s",
+           "TT2T s", "handoff s", "eff x link", "prefill CPU s/GiB", "decode CPU s/GiB"]
 
 
 # ---------------------------------------------------------------- raw TCP, bare link
@@ -251,6 +251,11 @@ class Case:
         last = self.samples[-1].choice
         return f"{last['strategy']}/{last['codec']}"
 
+    def seen_mb_s(self) -> float | None:
+        """The bandwidth the selector planned the last handoff with (measured or its prior)."""
+        seen = self.samples[-1].choice.get("bandwidth_bytes_per_s")
+        return None if seen is None else round(seen / 1e6)
+
     def effective_x(self) -> float | None:
         if not self.whole:
             return None
@@ -259,7 +264,7 @@ class Case:
 
     def row(self) -> list[Any]:
         cpu = [self.cpu_per_gib(side) for side in (0, 1)]
-        return [self.rate_gbit, self.tokens, self.config, self.chosen(),
+        return [self.rate_gbit, self.tokens, self.config, self.chosen(), self.seen_mb_s(),
                 round(self.median("kv_bytes") / (1 << 20), 1),
                 round(self.median("wire_bytes") / (1 << 20), 1),
                 round(self.median("ttft_s"), 3), round(self.median("tt2t_s"), 3),
