@@ -13,7 +13,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.link.bulk import BulkChannel, attach_client
+from mlxcel_plugin.link.bulk import BulkChannel
+from mlxcel_plugin.link.bulk_attach import attach_client
 from mlxcel_plugin.link.connection import CLOSE_POLICY_VIOLATION, Link, LinkClosed, LinkConfig
 from mlxcel_plugin.link.protocol.handshake import ClientHandshake
 from mlxcel_plugin.link.protocol.handshake_messages import PeerAtCapacity

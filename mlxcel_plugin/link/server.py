@@ -20,7 +20,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.link.bulk import BulkListener, make_channel
+from mlxcel_plugin.link.bulk import make_channel
+from mlxcel_plugin.link.bulk_attach import BulkListener
 from mlxcel_plugin.link.connection import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_POLICY_VIOLATION,

@@ -17,15 +17,12 @@ import itertools
 import logging
 import os
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
+from mlxcel_plugin.engine_api import PrefillResult
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
-from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
@@ -42,54 +39,19 @@ from mlxcel_plugin.nodes.handoff_policy import FINAL_REFUSALS, delta_prefix_toke
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics, register_inference_extension
 from mlxcel_plugin.nodes.outbox import Outbox
+from mlxcel_plugin.nodes.prefill_job import NodeJob, PrefillNodeParts
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
-from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler, PrefillSchedulerConfig
+from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler
 from mlxcel_plugin.transfer import (
     AdaptiveSelector,
     BandwidthEstimator,
-    StrategyFactory,
-    TransferChoice,
-    TransferConfig,
     make_strategy,
 )
 
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.25
-
-
-@dataclass
-class _Job:
-    request: GenerationRequest
-    owner: Outbox  # the router link that sent the request
-    target: str
-    pinned: bool  # the router chose the target: never hand off elsewhere
-    submitted_s: float
-    prefix_tokens: int = 0  # the decode node holds these already: a delta handoff
-    handoff_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    handoff: OutgoingHandoff | None = None
-    choice: TransferChoice | None = None  # the selector's, for its measured codec ratio
-    result: PrefillResult | None = None
-    first_token_s: float = 0.0
-    waiter: asyncio.Task[None] | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class PrefillNodeParts:
-    """What a prefill node is built from (the role wires them from config)."""
-
-    engine: Engine
-    scheduler_config: PrefillSchedulerConfig
-    transfer_config: TransferConfig
-    strategies: Mapping[str, StrategyFactory]
-    codecs: Mapping[str, KVCodec]
-    decode_peers: tuple[str, ...] = ()
-    kv_budget_bytes: int = 4 * 1024**3
 
 
 class PrefillNode:
@@ -103,14 +65,14 @@ class PrefillNode:
         self.bandwidth = BandwidthEstimator()
         self.last_choice: dict[str, Any] | None = None
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, NodeJob] = {}
         self.drain = NodeDrain(node_id)  # SIGTERM: refuse new requests, finish these jobs
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
         register_inference_extension(self.metrics.registry, self.telemetry)
         self._peer_cycle = itertools.cycle(parts.decode_peers) if parts.decode_peers else None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._engine_events: EngineMailbox[tuple[_Job, int | None, Any]] | None = None
+        self._engine_events: EngineMailbox[tuple[NodeJob, int | None, Any]] | None = None
         self._prompt_tokens = 0
         self._since_s = time.monotonic()
 
@@ -140,7 +102,7 @@ class PrefillNode:
                 "transfer": {"last_choice": self.last_choice,
                              "bandwidth_bytes_per_s": self.bandwidth.snapshot()}}
 
-    def _record_choice(self, job: _Job, choice: Any) -> None:
+    def _record_choice(self, job: NodeJob, choice: Any) -> None:
         """Make the adaptive choice and the estimate behind it visible: log, metric, health."""
         self.last_choice = {**choice.as_dict(), "target": job.target}
         self.metrics.handoff_choices.labels(strategy=choice.strategy, codec=choice.codec).inc()
@@ -174,7 +136,7 @@ class PrefillNode:
         now = time.monotonic()
         self.scheduler.submit(PrefillJob(request.request_id, len(request.prompt_tokens), target),
                               now, kv_used_fraction=self.kv_used_fraction())
-        self.jobs[request.request_id] = _Job(request, outbox, target, pinned, now, prefix)
+        self.jobs[request.request_id] = NodeJob(request, outbox, target, pinned, now, prefix)
         self._pump()
 
     def _choose_target(self, wanted: str | None) -> tuple[str, bool]:
@@ -193,7 +155,7 @@ class PrefillNode:
         while (job := self.scheduler.next_ready(time.monotonic())) is not None:  # slots bound it
             self._start_prefill(self.jobs[job.request_id])
 
-    def _start_prefill(self, job: _Job) -> None:
+    def _start_prefill(self, job: NodeJob) -> None:
         if self._engine_events is None:
             self._engine_events = EngineMailbox(asyncio.get_running_loop(), self._on_engine_event)
         events = self._engine_events
@@ -207,7 +169,7 @@ class PrefillNode:
             # event: those reach this loop only after this callback returns.
             job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
 
-    def _on_engine_event(self, event: tuple[_Job, int | None, Any]) -> None:
+    def _on_engine_event(self, event: tuple[NodeJob, int | None, Any]) -> None:
         """A layer (index, layer) or the end of prefill (None, result), on the loop."""
         job, index, payload = event
         if index is None:
@@ -215,7 +177,7 @@ class PrefillNode:
         elif job.handoff is not None:
             job.handoff.add_layer(index, payload)
 
-    def _header(self, job: _Job, epoch: int, first_token: int) -> HandoffHeader:
+    def _header(self, job: NodeJob, epoch: int, first_token: int) -> HandoffHeader:
         return HandoffHeader(
             request_id=job.request_id, handoff_id=job.handoff_id, epoch=epoch,
             fingerprint=self.fingerprint, prompt_length=len(job.request.prompt_tokens),
@@ -224,7 +186,7 @@ class PrefillNode:
             prefix_tokens=job.prefix_tokens,
         )
 
-    def _begin_handoff(self, job: _Job, epoch: int, streaming: bool,
+    def _begin_handoff(self, job: NodeJob, epoch: int, streaming: bool,
                        first_token: int = 0) -> OutgoingHandoff:
         payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
         choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
@@ -241,7 +203,7 @@ class PrefillNode:
         self.links.start(handoff, choice.lanes if streaming else 1)
         return handoff
 
-    def _on_prefill_done(self, job: _Job, result: PrefillResult | Exception) -> None:
+    def _on_prefill_done(self, job: NodeJob, result: PrefillResult | Exception) -> None:
         if self.jobs.get(job.request_id) is not job:  # cancelled meanwhile
             self._abort_handoff(job, "cancelled")
             return
@@ -267,7 +229,7 @@ class PrefillNode:
 
     # -- handoff -----------------------------------------------------------------------
 
-    async def _await_handoff(self, job: _Job) -> None:
+    async def _await_handoff(self, job: NodeJob) -> None:
         while job.handoff is not None:  # one pass per attempt; the scheduler bounds retries
             handoff, error, code = job.handoff, "", ""
             try:
@@ -284,10 +246,10 @@ class PrefillNode:
             if not await self._retry(job, handoff, code, error):
                 return
 
-    def _deadline_s(self, job: _Job) -> float:
+    def _deadline_s(self, job: NodeJob) -> float:
         return job.first_token_s + self.parts.transfer_config.transfer_timeout_s
 
-    def _on_acked(self, job: _Job, handoff: OutgoingHandoff) -> None:
+    def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff) -> None:
         elapsed = time.monotonic() - job.first_token_s
         self.metrics.handoff_time.observe(elapsed)
         self.metrics.handoff_bytes.observe(handoff.sent_bytes)
@@ -302,7 +264,7 @@ class PrefillNode:
         self.scheduler.on_handoff_acked(job.request_id)
         self._forget(job, "handed_off")
 
-    async def _retry(self, job: _Job, failed: OutgoingHandoff, code: str, error: str) -> bool:
+    async def _retry(self, job: NodeJob, failed: OutgoingHandoff, code: str, error: str) -> bool:
         """Start the next attempt, or report the failure; True when retrying."""
         logger.info("%s: handoff of %s to %s failed: %s (%s)", self.node_id, job.request_id,
                     job.target, code, error)
@@ -334,7 +296,7 @@ class PrefillNode:
         self._resend(job, max(decision.attempt, failed.header.epoch + 1))
         return True
 
-    def _resend(self, job: _Job, epoch: int) -> None:
+    def _resend(self, job: NodeJob, epoch: int) -> None:
         """Another attempt from the cache prefill left, every layer at once."""
         job.handoff = self._begin_handoff(job, epoch, streaming=False,
                                           first_token=job.result.first_token)
@@ -342,7 +304,7 @@ class PrefillNode:
             job.handoff.add_layer(index, layer)
         job.handoff.finish(job.result.first_token)
 
-    def _abort_handoff(self, job: _Job, reason: str) -> None:
+    def _abort_handoff(self, job: NodeJob, reason: str) -> None:
         handoff = job.handoff
         if handoff is None:
             return
@@ -363,11 +325,11 @@ class PrefillNode:
             job.waiter.cancel()
         self._forget(job, "cancelled")
 
-    def _finish(self, job: _Job, frame: Result | ErrorFrame, outcome: str) -> None:
+    def _finish(self, job: NodeJob, frame: Result | ErrorFrame, outcome: str) -> None:
         job.owner.put(frame.to_frame())
         self._forget(job, outcome)
 
-    def _forget(self, job: _Job, outcome: str) -> None:
+    def _forget(self, job: NodeJob, outcome: str) -> None:
         """Free the KV copy and every trace of the request."""
         if self.jobs.get(job.request_id) is job:
             del self.jobs[job.request_id]
