@@ -50,11 +50,10 @@ class MdnsSource:
 
     def __init__(self, config: ServerConfig, discovery: DiscoveryConfig):
         self._members: dict[str, Member] = {}  # service name -> node
-        self._changes: asyncio.Queue[tuple[str, ServiceStateChange]] | None = None
 
     async def watch(self) -> AsyncIterator[Snapshot]:
         loop = asyncio.get_running_loop()
-        self._changes = changes = asyncio.Queue()
+        changes: asyncio.Queue[tuple[str, ServiceStateChange]] = asyncio.Queue()
 
         def on_change(zeroconf: Zeroconf, service_type: str, name: str,
                       state_change: ServiceStateChange) -> None:

@@ -143,6 +143,36 @@ def test_a_node_with_another_models_fingerprint_is_refused_with_one_log_line(
     assert node_entry(router_stats(router.url), "decode", second) is None
 
 
+def test_a_listed_node_without_the_cluster_secret_never_gets_traffic(
+        file_cluster: LocalCluster, tmp_path):
+    prefill, first, _ = (n.serving_bind for n in file_cluster.nodes)
+    stranger = LocalCluster(tmp_path / "stranger", model=file_cluster.model,
+                            common_args=file_cluster.common_args)
+    stranger.workdir.mkdir()
+    generate_secret_file(stranger.secret_path)  # another cluster's secret
+    try:
+        outsider = stranger.start_engine_node("decode")
+        outsider.wait_healthy(STARTUP_TIMEOUT_S)
+        peers = file_cluster.workdir / "peers.toml"
+        write_peers_file(peers, [prefill], [first, outsider.serving_bind])
+        router = start_router(file_cluster, "", "--peers-file", str(peers))
+
+        def refused() -> bool:
+            entry = node_entry(router_stats(router.url), "decode", outsider.serving_bind)
+            return entry is not None and entry["total_failures"] > 0
+
+        wait_until(refused, CHANGE_TIMEOUT_S)
+        for _ in range(4):
+            reply = httpx.post(f"{router.url}/v1/completions", timeout=30,
+                               json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert reply.status_code == 200
+        entry = node_entry(router_stats(router.url), "decode", outsider.serving_bind)
+        assert entry["health"] == "unreachable" and entry["dispatched"] == 0
+        assert entry["last_error"].startswith("handshake"), entry["last_error"]  # bad MAC
+    finally:
+        stranger.stop()
+
+
 def test_sighup_makes_the_router_reread_the_peers_file_at_once(file_cluster: LocalCluster):
     prefill, first, second = (n.serving_bind for n in file_cluster.nodes)
     peers = file_cluster.workdir / "peers.toml"
