@@ -44,6 +44,9 @@ class SelectorTuning:
     parallel_min_s: float = 0.05
     # Lossy ones (int8) are candidates only with ``allow_lossy``.
     auto_codecs: tuple[str, ...] = ("none", "lz4", "shuffle+lz4", "int8")
+    # A codec's encode and decode share the cores with prefill and decode, which the
+    # pipeline estimate leaves out: it must beat the cheapest candidate by this fraction.
+    min_codec_gain: float = 0.1
     # Weight of the newest handoff in a codec's measured compression ratio.
     ratio_weight: float = 0.3
 
@@ -175,8 +178,11 @@ class AdaptiveSelector:
             return self.config.codec, "codec configured"
         if not estimates:
             return "none", "no auto codec candidates"
-        # min() keeps the first of equal estimates: candidates are listed cheapest first.
+        # Candidates are listed cheapest first; min() keeps the first of equal estimates.
+        cheapest = next(iter(estimates))
         best = min(estimates, key=estimates.__getitem__)
+        if estimates[best] > estimates[cheapest] * (1 - self.tuning.min_codec_gain):
+            best = cheapest
         return best, f"codec {best} fastest by estimate"
 
     def _spreads_over_lanes(self, strategy: str) -> bool:

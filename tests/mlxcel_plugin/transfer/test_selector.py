@@ -221,6 +221,16 @@ def test_with_lossy_allowed_int8_wins_on_1_gbit_and_raw_bytes_on_10():
     assert "int8" not in selector().select(90 * MB, GBIT_BYTES_PER_S).estimated_s
 
 
+def test_a_codec_that_saves_little_is_not_worth_its_cpu():
+    # At the prior (400 MB/s) shuffle+lz4's pipeline estimate is ~2% under raw bytes.
+    choice = selector().select(90 * MB, None)
+    assert choice.estimated_s["shuffle+lz4"] < choice.estimated_s["none"]
+    assert choice.codec == "none"
+    eager = SelectorTuning(min_codec_gain=0.0)
+    assert AdaptiveSelector(TransferConfig(), STRATEGIES, CODECS, eager).select(
+        90 * MB, None).codec == "shuffle+lz4"
+
+
 def test_stages_overlap_chunk_by_chunk_so_the_slowest_sets_the_pace():
     choice = selector(chunk_bytes=8 * MB).select(80 * MB, 10 * MB)  # 10 chunks
     lz4 = CODECS["lz4"].profile
