@@ -11,7 +11,7 @@ position of the next token is the length of that longer prompt), so a greedy or
 seeded request continues with the tokens it would have produced; the front's
 text pipeline (stop strings, stream filter, budget) sits above all of this and
 keeps its state. What stays here is pure: the ledger of streamed tokens and
-moves, which failures move a request, and who is to blame for a stall.
+moves, which failures move a request, and the event a stall becomes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TypeVar
 from mlxcel_plugin.engine_api import GenerationRequest
 from router_plugin.backend import next_batch
 from router_plugin.peer_links import PeerEvent
-from router_plugin.stream_bridge import DECODE, PREFILL
+from router_plugin.stream_bridge import DECODE
 
 T = TypeVar("T")
 
@@ -71,17 +71,10 @@ def moves_request(event: PeerEvent, client_error_codes: Collection[str]) -> bool
     return event.lost or event.code not in client_error_codes
 
 
-def stall_event(prefill_node_id: str | None, decode_node_id: str,
-                attempt_started: bool, timeout_s: float) -> PeerEvent:
-    """No token within ``timeout_s``: blame the node the next token waits on.
-
-    Before the attempt's first token that is its prefill node (when it has one);
-    after it, the decode node.
-    """
-    waiting_on_prefill = prefill_node_id is not None and not attempt_started
-    source = PREFILL if waiting_on_prefill else DECODE
-    node_id = prefill_node_id if waiting_on_prefill else decode_node_id
-    return PeerEvent(source, node_id, error=f"no token from {node_id} within {timeout_s:g} s",
+def stall_event(decode_node_id: str, timeout_s: float) -> PeerEvent:
+    """No token within ``timeout_s`` of the last one: the decode node owes the next."""
+    return PeerEvent(DECODE, decode_node_id,
+                     error=f"no token from {decode_node_id} within {timeout_s:g} s",
                      code=TOKEN_TIMEOUT_CODE)
 
 

@@ -162,15 +162,17 @@ class RoutedRequest:
             raise
 
     async def _next_events(self) -> list[tuple[int, PeerEvent]]:
-        """The inbox's next batch; once streaming, a stall becomes a failure event."""
-        timeout_s = self.context.token_timeout_s if self.bridge.emitted_any_token else 0.0
+        """The inbox's next batch; a stall between two tokens becomes a failure event.
+
+        Only once the attempt has streamed: before its first token a (re-)prefill may
+        queue like any request's, and a hung node is found by the health pings.
+        """
+        timeout_s = self.context.token_timeout_s if self.bridge.attempt_started else 0.0
         events = await next_batch_within(self.inbox, timeout_s or None)
         if events is not None:
             return events
         placement = self.placement
-        prefill = None if placement.prefill is None else placement.prefill.node_id
-        return [(placement.attempt, stall_event(prefill, placement.decode.node_id,
-                                                self.bridge.attempt_started, timeout_s))]
+        return [(placement.attempt, stall_event(placement.decode.node_id, timeout_s))]
 
     # ------------------------------------------------------------ placement
 
@@ -307,11 +309,22 @@ class RoutedRequest:
         self.context.stats.requests.migrated += 1
         self.resumed_at_s = self.context.clock()
         try:
-            await self._place()
+            await self._place_again()
         except MlxcelError as exc:  # no healthy pair left (or none with room)
             logger.warning("%s cannot migrate: %s", self.request.request_id, exc.message)
             return self.bridge.finish(FINISH_ERROR, f"{event.error}; no node to migrate to")
         return []
+
+    async def _place_again(self) -> None:
+        """Place a moved request; if the nodes it excluded leave no pair, they may serve."""
+        try:
+            await self._place()
+        except NoHealthyNodeError:
+            if not self.excluded:
+                raise
+            # A node that reported a failure may not be the one at fault (P reports D's).
+            self.excluded.clear()
+            await self._place()
 
     def _worth_rerouting(self, event: PeerEvent) -> bool:
         if self.bridge.attempt + 1 >= self.context.max_placements:

@@ -414,3 +414,27 @@ def test_router_bodies_match_a_single_node(text_tokenizer) -> None:
         await c.close()
 
     run(main())
+
+
+def test_a_migration_may_return_to_a_node_it_excluded_when_no_other_pair_is_left() -> None:
+    async def main():
+        c = await cluster(1, 1, token_delay_s=0.02,
+                          config=RouterConfig(token_timeout_s=0.3))
+        c.prefills[0].script = counting
+        stream = c.backend.stream(request("slow", prompt=(100,), max_tokens=300))
+        got = await stream_until(stream, 3)
+        c.decodes[0].token_delay_s = 30.0  # stalls: excluded, yet the only decode node
+        task = asyncio.create_task(collect_rest(stream))
+        await wait_for(lambda: c.stats.requests.migrated == 1)
+        c.decodes[0].token_delay_s = 0.02  # the attempt after the next one streams again
+        got += await task
+        assert tokens(got) == COUNTED and got[-1].finish_reason == "stop"
+        assert c.stats.requests.migrated == 2 and c.stats.requests.failed == 0
+        assert c.decodes[0].claimed == ["slow", "slow~1", "slow~2"]
+        await c.close()
+
+    run(main())
+
+
+async def collect_rest(stream) -> list[TokenEvent]:
+    return [event async for batch in stream for event in batch]

@@ -53,15 +53,11 @@ def test_node_failures_move_a_request_client_faults_do_not():
                              client_codes)
 
 
-def test_a_stall_blames_the_node_the_next_token_waits_on():
-    before_first = stall_event("p1", "d1", attempt_started=False, timeout_s=2.0)
-    assert (before_first.source, before_first.node_id) == (PREFILL, "p1")
-    assert before_first.code == TOKEN_TIMEOUT_CODE and not before_first.lost
-    assert "within 2 s" in before_first.error
-    streaming = stall_event("p1", "d1", attempt_started=True, timeout_s=2.0)
-    assert (streaming.source, streaming.node_id) == (DECODE, "d1")
-    local = stall_event(None, "d1", attempt_started=False, timeout_s=2.0)
-    assert (local.source, local.node_id) == (DECODE, "d1")
+def test_a_stall_is_the_decode_nodes_failure():
+    stall = stall_event("d1", timeout_s=2.0)
+    assert (stall.source, stall.node_id) == (DECODE, "d1")
+    assert stall.code == TOKEN_TIMEOUT_CODE and not stall.lost
+    assert "within 2 s" in stall.error
 
 
 def test_next_batch_within_returns_none_on_silence_and_the_batch_otherwise():
