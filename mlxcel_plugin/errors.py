@@ -119,6 +119,12 @@ class HandshakeError(ProtocolError):
     code = "handshake_failed"
 
 
+class ModelMismatchError(HandshakeError):
+    """The node announced another model than the router's checkpoint."""
+
+    code = "model_mismatch"
+
+
 class HandoffError(MlxcelError):
     """A KV handoff was refused or failed; fails only that request."""
 

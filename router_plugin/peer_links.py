@@ -24,7 +24,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, fields
 
-from mlxcel_plugin.errors import HandshakeError, NodeDrainingError, NodeLostError
+from mlxcel_plugin.errors import (
+    HandshakeError,
+    ModelMismatchError,
+    NodeDrainingError,
+    NodeLostError,
+)
 from mlxcel_plugin.link import RETRYABLE, Backoff, ClusterSecret, Link, LinkConfig, dial_link
 from mlxcel_plugin.link.dial import Redial
 from mlxcel_plugin.link.protocol.frames import (
@@ -65,10 +70,24 @@ Clock = Callable[[], float]
 
 
 def make_dialer(secret: ClusterSecret | bytes, node_id: str,
-                config: LinkConfig = ROUTER_LINK_CONFIG) -> Dialer:
-    """Dial as the router, refusing a peer whose handshake names another role."""
+                config: LinkConfig = ROUTER_LINK_CONFIG,
+                expected_model: str | None = None) -> Dialer:
+    """Dial as the router, refusing a peer whose handshake names another role.
+
+    With ``expected_model`` (the router's checkpoint digest), a node that announces
+    another model is refused too (``ModelMismatchError``, redialled with backoff).
+    """
 
     async def dial(address: str, role: str) -> Link:
+        link = await _dial(address, role)
+        announced = link.peer_announce.get("model")
+        if expected_model and announced and announced != expected_model:
+            await link.close()
+            raise ModelMismatchError(f"{address} serves model {announced}, this router's "
+                                     f"is {expected_model}: refused")
+        return link
+
+    async def _dial(address: str, role: str) -> Link:
         return await dial_link(address, secret, ROUTER_ROLE, node_id, expect_roles={role},
                                config=config)
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from mlxcel_plugin.balancer_api import Balancer
 from mlxcel_plugin.config import dataclass_from_mapping
+from mlxcel_plugin.discovery_api import model_fingerprint
 from mlxcel_plugin.engine_api import Engine
 from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
@@ -115,7 +116,9 @@ def make_cluster_backend(config: Any, registry: PluginRegistry,
     )
     pool = NodePool.from_peers(config.prefill_peers, config.decode_peers,
                                prefixes=PrefixIndex(router_config.prefix_block_tokens))
-    peers = PeerLinks(pool, make_dialer(secret, config.effective_node_id))
+    dial = make_dialer(secret, config.effective_node_id,
+                       expected_model=model_fingerprint(config.model))
+    peers = PeerLinks(pool, dial)
     health = HealthMonitor(peers, HealthConfig.from_section(config.section("health")))
     local_prefill_tokens = config.engine_config.prefix_cache.local_prefill_tokens
     return ClusterBackend(

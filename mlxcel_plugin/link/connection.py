@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
@@ -75,8 +75,11 @@ class Link:
     """An established link; made by ``dial_link`` or handed to ``serve_links``' ``on_link``."""
 
     def __init__(self, ws: Connection, session: Session, config: LinkConfig,
-                 bulk: BulkChannel | None = None, *, local_role: str = "", local_node_id: str = ""):
+                 bulk: BulkChannel | None = None, *, local_role: str = "", local_node_id: str = "",
+                 peer_announce: Mapping[str, str] | None = None):
         self._ws, self._session, self._config = ws, session, config
+        # What the accepting peer announced in its verdict (a node: its "model").
+        self.peer_announce: Mapping[str, str] = dict(peer_announce or {})
         self._bulk = BulkPipe(bulk, config.bulk_reader_nice) if bulk else None
         self.local_role, self.local_node_id = local_role, local_node_id
         self.remote_address = _format_address(ws.remote_address)

@@ -52,7 +52,9 @@ async def dial_link(addr: str, secret: ClusterSecret | bytes, role: str, node_id
     except BaseException:
         await ws.close()
         raise
-    return Link(ws, hs.session, config, bulk, local_role=role, local_node_id=node_id)
+    announce = {k: v for k, v in hs.verdict.extra.items() if isinstance(v, str)}
+    return Link(ws, hs.session, config, bulk, local_role=role, local_node_id=node_id,
+                peer_announce=announce)
 
 
 async def _client_handshake(ws: ClientConnection, secret: ClusterSecret | bytes, role: str,

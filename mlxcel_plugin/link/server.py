@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,7 @@ class _Acceptor:
     server: LinkServer
     bulk: BulkListener | None
     refusals: RefusalLog
+    announce: Mapping[str, str] = field(default_factory=dict)  # e.g. the served model
     handshakes_in_flight: int = 0
     reserved: int = 0  # accepted, waiting for the bulk channel, not yet in server.links
 
@@ -152,10 +153,10 @@ class _Acceptor:
         self.reserved += 1
         admission.reserved = True
         if self.bulk is None or not session.peer.wants_bulk:
-            return {}
+            return {**self.announce}
         token, future = self.bulk.expect(session)
         admission.bulk_token, admission.bulk_future = token, future
-        return {"bulk_port": self.bulk.port, "bulk_token": token,
+        return {**self.announce, "bulk_port": self.bulk.port, "bulk_token": token,
                 "bulk_chunk_bytes": self.config.bulk_chunk_bytes}
 
     async def _establish(self, ws: ServerConnection) -> Link | None:
@@ -240,12 +241,15 @@ class _Acceptor:
 async def serve_links(bind: str, secret: ClusterSecret | bytes, role: str, node_id: str,
                       accept_roles: Collection[str], on_link: OnLink, *, max_links: int = 64,
                       retry_after_s: float = 1.0, config: LinkConfig | None = None,
-                      bulk_bind: str | None = None) -> LinkServer:
+                      bulk_bind: str | None = None,
+                      announce: Mapping[str, str] | None = None) -> LinkServer:
     """Listen on ``bind`` ("host:port", port 0 = any) and run ``on_link(link)`` per peer.
 
     ``accept_roles``: client roles this node takes (a decode node: prefill, router).
     The link closes when ``on_link`` returns. The bulk channel listens on
     ``bulk_bind`` (default: same host, any port), announced inside the verdict.
+    ``announce``: string fields every accepted peer reads in the verdict
+    (``Link.peer_announce``); a node announces its model (docs/protocol.md §2).
     """
     config = config or LinkConfig()
     host, port = parse_bind(bind)
@@ -256,7 +260,7 @@ async def serve_links(bind: str, secret: ClusterSecret | bytes, role: str, node_
         bulk = BulkListener.bind(bulk_host, bulk_port, config.handshake_timeout_s, refusals)
     server = LinkServer(host, port, bulk.port if bulk else None, _bulk=bulk)
     acceptor = _Acceptor(secret, role, node_id, frozenset(accept_roles), on_link, max_links,
-                         retry_after_s, config, server, bulk, refusals)
+                         retry_after_s, config, server, bulk, refusals, dict(announce or {}))
     ws_server = await serve(
         acceptor.handle, host, port, compression=None, max_size=config.ws_max_size,
         create_connection=TimedConnection, logger=UpgradeLogger(refusals),

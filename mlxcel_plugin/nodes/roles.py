@@ -17,10 +17,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
+from mlxcel_plugin.discovery_api import model_fingerprint
 from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
+from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
@@ -70,8 +72,11 @@ def prefill_engine_config(config: ServerConfig, sched: PrefillSchedulerConfig) -
     return replace(config.engine_config, chunk_size_tokens=chunk)
 
 
-def decode_scheduler_config(config: ServerConfig) -> DecodeSchedulerConfig:
-    base = asdict(DecodeSchedulerConfig.from_engine_config(config.engine_config))
+def decode_scheduler_config(config: ServerConfig,
+                            engine_config: EngineConfig | None = None) -> DecodeSchedulerConfig:
+    """``[decode_scheduler]`` over the engine's limits (``engine_config``: its sized budget)."""
+    engine_config = engine_config_of(None, engine_config or config.engine_config)
+    base = asdict(DecodeSchedulerConfig.from_engine_config(engine_config))
     return dataclass_from_mapping(DecodeSchedulerConfig,
                                   {**base, **config.section("decode_scheduler")},
                                   "[decode_scheduler]")
@@ -126,7 +131,7 @@ def run_prefill(config: ServerConfig, registry: PluginRegistry) -> None:
         transfer_config=replace(transfer, transfer_timeout_s=sched.transfer_timeout_s),
         strategies=registry.entries.get("transfer_strategy", {}),
         codecs=registry.entries.get("kv_codec", {}), decode_peers=config.decode_peers,
-        kv_budget_bytes=config.engine_config.kv_memory_bytes,
+        kv_budget_bytes=engine_config_of(engine, config.engine_config).kv_memory_bytes,
     )
 
     def build() -> PrefillNode:
@@ -143,9 +148,12 @@ def run_decode(config: ServerConfig, registry: PluginRegistry) -> None:
     secret = require_cluster_secret("decode", config.cluster_secret_file, os.environ)
     transfer = transfer_config(config)
     engine = _build_engine(config, registry, config.engine_config)
-    parts = DecodeNodeParts(engine=engine, scheduler_config=decode_scheduler_config(config),
+    sized = engine_config_of(engine, config.engine_config)  # the KV budget, sized if unset
+    parts = DecodeNodeParts(engine=engine, scheduler_config=decode_scheduler_config(config, sized),
                             codecs=registry.entries.get("kv_codec", {}),
-                            transfer_timeout_s=transfer.transfer_timeout_s)
+                            transfer_timeout_s=transfer.transfer_timeout_s,
+                            kv_budget_bytes=sized.kv_memory_bytes,
+                            model_bytes=engine_model_bytes(engine))
     build = lambda: DecodeNode(parts, config.effective_node_id)  # noqa: E731
     run_event_loop(_serve_node(config, secret, engine, build, {"router", "prefill"}))
 
@@ -192,6 +200,12 @@ async def _drained(node: PrefillNode | DecodeNode, settings: NodeSettings,
                        "them", node.node_id, left)
 
 
+def _announce(config: ServerConfig) -> dict[str, str]:
+    """What every peer reads in this node's verdict: the model it serves, when known."""
+    model = model_fingerprint(config.model)
+    return {"model": model} if model else {}
+
+
 async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engine: Engine,
                                build: Callable[[], Any], accept_roles: set[str],
                                signals: StopSignals) -> None:
@@ -204,7 +218,7 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
                               node.drain)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
-                              config=link_config(config.role))
+                              config=link_config(config.role), announce=_announce(config))
     ops = await OpsServer.start(config.host, config.port, OpsRoutes(
         node.health, node.metrics.render, ready=lambda: not node.drain.draining))
     advert = await advertise(config, node.node_id)  # None unless --advertise mdns

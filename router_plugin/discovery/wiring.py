@@ -56,7 +56,8 @@ def make_sources(config: ServerConfig, registry: PluginRegistry) -> list[Discove
 def make_membership(config: ServerConfig, backend: ClusterBackend,
                     env: Mapping[str, str]) -> Membership:
     secret = require_cluster_secret("router", config.cluster_secret_file, env)
-    dial = make_dialer(secret, config.effective_node_id)
+    dial = make_dialer(secret, config.effective_node_id,
+                       expected_model=model_fingerprint(config.model))
     pool = backend.pool
 
     def make_peer(node_id: str) -> PeerLink:
