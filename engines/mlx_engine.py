@@ -34,6 +34,7 @@ from engines.engine_commands import (
     deliver,
     finish_command,
 )
+from engines.engine_memory import EngineMemory
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, warm_up
 from engines.prefix_cache import PrefixCache
@@ -67,7 +68,8 @@ class MlxEngine:
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig):
         self.model = model
         self.info = info
-        self.config = config
+        self._memory = EngineMemory(model, config)  # the KV budget sized from the model
+        self.config, self.model_bytes = self._memory.config, self._memory.model_bytes
         self._commands: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -79,7 +81,7 @@ class MlxEngine:
         self._speed = SpeedMeter()
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
-        self._prefix = PrefixCache.for_model(model, config)
+        self._prefix = PrefixCache.for_model(model, self.config)
         self._nesting = cache_layout.nesting(cache_layout.make_prompt_cache(model))  # CacheLists
         # Before the first request too: a router trusts its prefix index for this node from it.
         self._stats = EngineStats(free_kv_fraction=1.0, prefix_cache=self._prefix.stats())
@@ -96,7 +98,7 @@ class MlxEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
-        kv_convert.keep_freed_buffers(self.config.kv_memory_bytes)  # handoffs reuse warm memory
+        self._memory.apply()  # freed buffers kept warm: a few handoffs, not the KV budget
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
         # An engine left open at interpreter exit must still release its MLX stream.
@@ -182,7 +184,7 @@ class MlxEngine:
         block = not self._has_work()
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._memory.idle.next_command(self._commands, block)  # frees idle
             except queue.Empty:
                 return True
             block = False

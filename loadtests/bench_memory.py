@@ -2,10 +2,13 @@
 
 Starts a prefill and a decode node (the ``fake`` engine by default, or
 ``--engine mlx --model PATH``), drives them over real links with
-``LinkDriver`` (the router's part), and samples each process's VmRSS:
+``LinkDriver`` (the router's part), and samples each process's VmRSS; then,
+with ``--hybrid``, a hybrid node driven through its HTTP API the same way:
 
     .venv/bin/python loadtests/bench_memory.py --requests 64 --concurrency 8
     .venv/bin/python loadtests/bench_memory.py --engine mlx --model ~/.cache/mlxcel/tiny
+    .venv/bin/python loadtests/bench_memory.py --engine mlx --hybrid \
+        --model ~/.cache/mlxcel/SmolLM2-135M-Instruct --requests 32 --prompt-tokens 1500
 
 Target (issue 22): an idle node at most its model's weights + 512 MiB, also
 after load. Linux only (reads /proc).
@@ -36,16 +39,18 @@ def rss_bytes(node: NodeProcess) -> int:
     return int(line.split()[1]) * 1024
 
 
-def start(workdir: Path, args: argparse.Namespace) -> dict[str, NodeProcess]:
+def start(workdir: Path, args: argparse.Namespace,
+          roles: tuple[str, ...] = ("decode", "prefill")) -> dict[str, NodeProcess]:
     secret_path = workdir / "cluster.secret"
     generate_secret_file(secret_path)
     model = args.model or str(workdir)
     common = ["--cluster-secret-file", str(secret_path), "--engine", args.engine,
               "--model", model]
     nodes = {}
-    for role in ("decode", "prefill"):
+    for role in roles:
+        bind = None if role == "hybrid" else f"{LOOPBACK}:{free_port()}"
         nodes[role] = start_node(role, workdir, common + ["--node-id", f"{role}-mem"],
-                                 name=role, serving_bind=f"{LOOPBACK}:{free_port()}")
+                                 name=role, serving_bind=bind)
     for node in nodes.values():
         node.wait_healthy(300)
     return nodes
@@ -66,17 +71,46 @@ async def load(nodes: dict[str, NodeProcess], secret_path: Path, args: argparse.
                 outcome = await driver.generate(f"m{i}", prompt, args.max_tokens, timeout_s=300)
                 return outcome.ok
 
-        async def sample() -> None:
-            while True:  # cancelled when the load ends
-                for role, node in nodes.items():
-                    samples[role].append(rss_bytes(node))
-                await asyncio.sleep(0.2)
-
-        sampler = asyncio.create_task(sample())
-        results = await asyncio.gather(*(one(i) for i in range(args.requests)))
-        sampler.cancel()
-        done = sum(results)
+        done = await _sampled(nodes, samples, [one(i) for i in range(args.requests)])
     return done
+
+
+async def _sampled(nodes: dict[str, NodeProcess], samples: dict[str, list[int]],
+                   requests: list) -> int:
+    """Run ``requests`` together while sampling every node's RSS; how many succeeded."""
+
+    async def sample() -> None:
+        while True:  # cancelled when the load ends
+            for role, node in nodes.items():
+                samples[role].append(rss_bytes(node))
+            await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        return sum(await asyncio.gather(*requests))
+    finally:
+        sampler.cancel()
+
+
+async def load_http(nodes: dict[str, NodeProcess], args: argparse.Namespace,
+                    samples: dict[str, list[int]]) -> int:
+    """The same load through a hybrid node's ``/v1/completions`` (token-id prompts)."""
+    import httpx
+
+    node = nodes["hybrid"]
+    prompt = [7 + i % 50 for i in range(args.prompt_tokens)]
+    gate = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(base_url=f"http://{LOOPBACK}:{node.port}",
+                                 timeout=300) as client:
+
+        async def one(i: int) -> bool:
+            body = {"model": "m", "prompt": prompt, "max_tokens": args.max_tokens,
+                    "temperature": 0}
+            async with gate:
+                response = await client.post("/v1/completions", json=body)
+                return response.status_code == 200
+
+        return await _sampled(nodes, samples, [one(i) for i in range(args.requests)])
 
 
 def main() -> None:
@@ -89,28 +123,39 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--after-s", type=float, default=30.0,
                         help="idle time before the last look")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="then measure a hybrid node under the same load (HTTP)")
     args = parser.parse_args()
+    print(f"engine={args.engine} model={args.model or '-'} requests={args.requests} "
+          f"concurrency={args.concurrency} prompt_tokens={args.prompt_tokens} "
+          f"max_tokens={args.max_tokens}")
+    print(f"{'role':8} {'fresh MiB':>10} {'load peak MiB':>14} {f'+{args.after_s:.0f}s MiB':>10}"
+          f" {'ok':>4}")
+    measure(args, ("decode", "prefill"), lambda nodes, workdir, samples: load(
+        nodes, workdir / "cluster.secret", args, samples))
+    if args.hybrid:
+        measure(args, ("hybrid",), lambda nodes, _, samples: load_http(nodes, args, samples))
+
+
+def measure(args: argparse.Namespace, roles: tuple[str, ...], drive) -> None:  # noqa: ANN001
+    """Start ``roles``, look at their RSS fresh, under ``drive``'s load and after it."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        nodes = start(workdir, args)
+        nodes = start(workdir, args, roles)
         try:
             time.sleep(1.0)
             fresh = {role: rss_bytes(node) for role, node in nodes.items()}
             samples: dict[str, list[int]] = {role: [] for role in nodes}
-            ok = asyncio.run(load(nodes, workdir / "cluster.secret", args, samples))
+            ok = asyncio.run(drive(nodes, workdir, samples))
             time.sleep(args.after_s)
             after = {role: rss_bytes(node) for role, node in nodes.items()}
         finally:
             for node in nodes.values():
                 node.stop()
-    print(f"engine={args.engine} model={args.model or '-'} requests={args.requests} ok={ok} "
-          f"concurrency={args.concurrency} prompt_tokens={args.prompt_tokens} "
-          f"max_tokens={args.max_tokens}")
-    print(f"{'role':8} {'fresh MiB':>10} {'load peak MiB':>14} {f'+{args.after_s:.0f}s MiB':>10}")
     for role in nodes:
         peak = max(samples[role], default=0)
-        print(f"{role:8} {fresh[role] / MIB:10.0f} {peak / MIB:14.0f} {after[role] / MIB:10.0f}")
-
+        print(f"{role:8} {fresh[role] / MIB:10.0f} {peak / MIB:14.0f} {after[role] / MIB:10.0f}"
+              f" {ok:4d}", flush=True)
 
 if __name__ == "__main__":
     main()

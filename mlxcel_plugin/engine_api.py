@@ -196,7 +196,8 @@ class EngineConfig:
     # Prefill chunk size; hybrid and prefill roles share it so results stay byte-exact.
     chunk_size_tokens: int = 128
     memory_threshold: float = 0.85
-    kv_memory_bytes: int = 4 * 1024**3
+    # 0: sized from the model and the machine's memory (mlxcel_plugin/memory_budget.py).
+    kv_memory_bytes: int = 0
     warmup: bool = True
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 

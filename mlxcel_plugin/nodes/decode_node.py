@@ -101,6 +101,8 @@ class DecodeNodeParts:
     scheduler_config: DecodeSchedulerConfig
     codecs: Mapping[str, KVCodec]
     transfer_timeout_s: float = 30.0
+    kv_budget_bytes: int = 4 << 30  # sizes the receive pool (kv_serde.pool.pool_bytes_for)
+    model_bytes: int = 0
 
 
 class DecodeNode:
@@ -110,7 +112,9 @@ class DecodeNode:
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
         self.receiver = HandoffReceiver(self.fingerprint, parts.codecs, self._admit_begin,
                                         adopt=layer_adopter(self.engine),
-                                        make_buffers=kv_buffer_maker(self.engine))
+                                        make_buffers=kv_buffer_maker(self.engine),
+                                        kv_budget_bytes=parts.kv_budget_bytes,
+                                        model_bytes=parts.model_bytes)
         self.claims: dict[str, _Claim] = {}
         self.local: dict[str, tuple[_Claim, GenerationRequest]] = {}  # waiting for admission
         self.ready: dict[str, _Ready] = {}

@@ -26,6 +26,7 @@ from enum import StrEnum
 
 from mlxcel_plugin.engine_api import EngineConfig
 from mlxcel_plugin.errors import AtCapacityError, ConfigError, HandoffError
+from mlxcel_plugin.memory_budget import with_kv_budget
 
 
 class KVBudgetFull(AtCapacityError):
@@ -75,7 +76,7 @@ class DecodeSchedulerConfig:
             max_batch_size=engine.max_batch_size,
             max_sequences=engine.max_sequences,
             memory_threshold=engine.memory_threshold,
-            kv_budget_bytes=engine.kv_memory_bytes,
+            kv_budget_bytes=with_kv_budget(engine).kv_memory_bytes,  # 0: sized
         )
         return replace(base, **overrides)
 

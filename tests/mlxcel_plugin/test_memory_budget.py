@@ -1,0 +1,61 @@
+"""A node's KV budget sized from its model and the machine when not configured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxcel_plugin.engine_api import EngineConfig
+from mlxcel_plugin.memory_budget import (
+    MIN_KV_BUDGET_BYTES,
+    budgets_for,
+    engine_config_of,
+    kv_budget_for,
+    with_kv_budget,
+)
+from mlxcel_plugin.scheduling import DecodeSchedulerConfig
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def test_unset_budget_is_half_of_what_the_weights_leave():
+    assert EngineConfig().kv_memory_bytes == 0  # unset by default
+    assert kv_budget_for(model_bytes=2 * GIB, machine_bytes=18 * GIB) == 8 * GIB
+    sized = with_kv_budget(EngineConfig(), model_bytes=2 * GIB, machine_bytes=18 * GIB)
+    assert sized.kv_memory_bytes == 8 * GIB
+
+
+def test_a_small_machine_still_gets_the_minimum_budget():
+    assert kv_budget_for(model_bytes=8 * GIB, machine_bytes=8 * GIB) == MIN_KV_BUDGET_BYTES
+
+
+def test_a_configured_budget_is_kept():
+    config = EngineConfig(kv_memory_bytes=128 * MIB)
+    assert with_kv_budget(config, model_bytes=GIB, machine_bytes=64 * GIB) is config
+
+
+def test_freed_buffers_kept_are_bounded_far_below_the_budget():
+    budgets = budgets_for(EngineConfig(), model_bytes=270 * MIB, machine_bytes=128 * GIB)
+    assert budgets.kv_budget_auto and budgets.kv_budget_bytes > 60 * GIB
+    assert budgets.freed_cache_bytes <= 512 * MIB
+    assert "KV budget" in budgets.describe() and "auto" in budgets.describe()
+    small = budgets_for(EngineConfig(kv_memory_bytes=256 * MIB), 270 * MIB, 128 * GIB)
+    assert not small.kv_budget_auto and small.freed_cache_bytes == 64 * MIB
+
+
+@dataclass
+class _Engine:
+    config: EngineConfig
+    model_bytes: int
+
+
+def test_nodes_read_the_engine_s_sized_budget():
+    engine = _Engine(EngineConfig(kv_memory_bytes=3 * GIB), GIB)
+    assert engine_config_of(engine, EngineConfig()).kv_memory_bytes == 3 * GIB
+    fallback = engine_config_of(object(), EngineConfig(kv_memory_bytes=5 * GIB))
+    assert fallback.kv_memory_bytes == 5 * GIB
+    assert engine_config_of(object(), EngineConfig()).kv_memory_bytes >= MIN_KV_BUDGET_BYTES
+
+
+def test_decode_scheduler_sizes_an_unset_budget():
+    assert DecodeSchedulerConfig.from_engine_config(EngineConfig()).kv_budget_bytes > 0
