@@ -68,7 +68,7 @@ from router_plugin.openai_schema import (
     parse_completion_request,
 )
 from router_plugin.openapi_models import ROUTE_DOCS, install_openapi
-from router_plugin.request_limits import parse_json_body, read_body
+from router_plugin.request_limits import body_limit, parse_json_body, read_body
 
 # Re-exported: these lived here before the front was split by concept.
 __all__ = [
@@ -114,6 +114,7 @@ class OpenAIFront:
         self.metrics = metrics
         self.options = options or FrontOptions()
         self._off_loop = anyio.CapacityLimiter(OFF_LOOP_PLANS)
+        self.body_limit = body_limit(self.options.max_request_bytes, self._max_prompt_chars())
         self.markers = FilterMarkers().with_tool_openers(list(tokenizer.tool_token_ids().values()))
 
     # routes
@@ -147,7 +148,7 @@ class OpenAIFront:
         """The body read and planned; a refusal on the way is counted, then raised."""
         arrival_s = time.perf_counter()
         try:
-            raw = await read_body(request, self.options.max_request_bytes)
+            raw = await read_body(request, self.body_limit)
             if len(raw) < self.options.off_loop_bytes:
                 return plan(raw, arrival_s, False)
             return await anyio.to_thread.run_sync(plan, raw, arrival_s, True,
@@ -165,8 +166,10 @@ class OpenAIFront:
         self._check_model(params.common.model)
         if isinstance(params.prompt, str):
             self._check_size(len(params.prompt), "prompt")
-            encode = self.tokenizer.encode_in_thread if in_thread else self.tokenizer.encode
-            prompt = encode(params.prompt)
+            if in_thread:
+                prompt = self._encoded_in_thread(params.prompt, True, "prompt")
+            else:
+                prompt = self.tokenizer.encode(params.prompt)
         else:
             prompt = self._checked_token_ids(params.prompt)
         return self._completion(responses.TEXT, prompt, params.common, arrival_s)
@@ -181,7 +184,7 @@ class OpenAIFront:
             params.messages, tools=params.tools, template_kwargs=params.template_kwargs
         )
         if in_thread:
-            prompt = self.tokenizer.encode_in_thread(prompt_text, add_special_tokens=False)
+            prompt = self._encoded_in_thread(prompt_text, False, "messages")
         else:
             prompt = self.tokenizer.encode_chat(prompt_text)
         stream_filter = StreamFilter(
@@ -196,6 +199,20 @@ class OpenAIFront:
         if model is not None and model != self.model_id:
             message = f"the model {model!r} does not exist; this server serves {self.model_id!r}"
             raise ModelNotFoundError(message, param="model")
+
+    def _encoded_in_thread(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        ids = self.tokenizer.encode_in_thread(text, add_special_tokens=add_special_tokens,
+                                              max_tokens=self.context_length)  # fmt: skip
+        if isinstance(ids, int):  # a count: at least the whole context
+            message = f"the prompt has {ids} tokens; the model's context is {self.context_length}"
+            raise ContextLengthError(f"{message} tokens", param=param)
+        return ids
+
+    def _max_prompt_chars(self) -> int | None:
+        """The most characters a prompt within the context can have, where that is known."""
+        if self.context_length is None or not self.tokenizer.tokens_at_least(1 << 30):
+            return None
+        return self.context_length * self.tokenizer.max_token_bytes
 
     def _check_size(self, text_chars: int, param: str) -> None:
         """Refuse before tokenizing when the text alone is longer than the context can be."""

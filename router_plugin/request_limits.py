@@ -39,9 +39,22 @@ def check_media_type(content_type: str | None) -> None:
     )
 
 
+# A prompt character takes at most 12 body bytes (a surrogate-pair escape).
+MAX_BODY_BYTES_PER_CHAR = 12
+# Room for what is not prompt text (sampling fields, JSON syntax).
+BODY_SLACK_BYTES = 64 * 1024
+
+
+def body_limit(max_request_bytes: int, max_prompt_chars: int | None) -> int:
+    """``--max-request-bytes``, or less when no prompt of ``max_prompt_chars`` needs that much."""
+    if max_prompt_chars is None:
+        return max_request_bytes
+    return min(max_request_bytes, max_prompt_chars * MAX_BODY_BYTES_PER_CHAR + BODY_SLACK_BYTES)
+
+
 def _too_large(limit: int) -> RequestTooLargeError:
     return RequestTooLargeError(f"the request body is over the server's {limit}-byte limit "
-                                "(--max-request-bytes)")  # fmt: skip
+                                "(--max-request-bytes, or what the model's context can hold)")
 
 
 def _declared(request: Request) -> tuple[str | None, bytes | None]:
@@ -79,6 +92,8 @@ def _refuse_constant(name: str) -> Any:
     raise InvalidRequestError(f"the request body has {name}; JSON numbers must be finite")
 
 
+# Above this the quick scan's C loops would hold the GIL longer than the walk takes.
+_SCAN_BYTES = 64 * 1024
 # One decoder: json.loads with arguments would build a new one per request.
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 # A number the parser turns into inf has a 3-digit exponent or over 308 digits
@@ -109,7 +124,8 @@ def parse_json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
         raise InvalidRequestError("the request body is nested too deeply") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    if not encoding.startswith("utf-8") or _needs_walk(raw, max_depth):
+    # Big bodies are walked anyway (Python: the GIL is shared), small ones scanned first.
+    if len(raw) > _SCAN_BYTES or not encoding.startswith("utf-8") or _needs_walk(raw, max_depth):
         check_tree(body, max_depth)
     return body
 

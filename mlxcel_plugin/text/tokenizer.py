@@ -87,13 +87,18 @@ class TextTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._encode_text(text, add_special_tokens)
 
-    def encode_in_thread(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode_in_thread(
+        self, text: str, *, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int] | int:
         """``encode``, releasing the GIL meanwhile: for big texts, from a worker thread.
 
         ``tokenizers`` holds the GIL in a single ``encode`` (a 10 MB text froze every
         other thread for 19 s); its batch call releases it and gives the same ids.
+        With ``max_tokens``, a text of that many tokens or more gives its token count
+        instead (an int): the caller refuses it, and no list of millions of ids is
+        built while holding the GIL.
         """
-        return self._encode_text_in_thread(text, add_special_tokens)
+        return self._encode_text_in_thread(text, add_special_tokens, max_tokens)
 
     def tokens_at_least(self, text_chars: int) -> int:
         """A lower bound on the tokens of any text of ``text_chars`` characters (0: none known).
@@ -213,20 +218,27 @@ def _fast_encoder(hf: Any) -> Callable[[str, bool], list[int]]:
     return direct
 
 
+def _capped(ids: list[int], max_tokens: int | None) -> list[int] | int:
+    return len(ids) if max_tokens is not None and len(ids) >= max_tokens else ids
+
+
 def _gil_free_encoder(
     hf: Any, encode: Callable[[str, bool], list[int]]
-) -> Callable[[str, bool], list[int]]:
+) -> Callable[[str, bool, int | None], list[int] | int]:
     """The backend's batch encode of one text (it releases the GIL), where that is exact."""
     backend = getattr(hf, "backend_tokenizer", None)
     base = _stock_backend_class()
     if backend is None or base is None or type(hf)._encode_plus is not base._encode_plus:
-        return encode
+        return lambda text, special, max_tokens: _capped(encode(text, special), max_tokens)
 
-    def batch_of_one(text: str, add_special_tokens: bool) -> list[int]:
+    def batch_of_one(text: str, special: bool, max_tokens: int | None) -> list[int] | int:
         if (backend.truncation is not None or backend.padding is not None
                 or backend.encode_special_tokens or hf.split_special_tokens):
-            return encode(text, add_special_tokens)
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return _capped(encode(text, special), max_tokens)
+        encoding = backend.encode_batch([text], add_special_tokens=special)[0]
+        if max_tokens is not None and len(encoding) >= max_tokens:
+            return len(encoding)
+        return encoding.ids
 
     return batch_of_one
 

@@ -2,11 +2,13 @@
 
 * HTTPS: a certificate the test generates, ``--ssl-keyfile``/``--ssl-certfile``,
   the openai SDK over https with the key (and a 401 without it).
-* Stall: 8 streams run while a 10 MB prompt arrives (``--max-request-bytes``
-  raised so the body is read, parsed and refused by its size, not by its
-  ``Content-Length``); their largest inter-token gap stays under 2x their
-  unloaded p99 (tokens every 50 ms, so the margin is wide; before the fix the
-  streams froze for seconds).
+* Stall: 8 streams run while a 10 MB prompt arrives; their largest
+  inter-token gap stays under 2x their unloaded p99 (tokens every 50 ms, so
+  the margin is wide; before the fix the streams froze for seconds). Twice:
+  with the checkpoint's 2048-token context the body is refused (413) from its
+  ``Content-Length``; with a 1M-token context (and ``--max-request-bytes``
+  raised) it is read, parsed and tokenized in a worker thread, then refused
+  (400) by its exact token count.
 """
 
 from __future__ import annotations
@@ -65,13 +67,17 @@ def write_certificate(workdir: Path) -> tuple[Path, Path]:
     return key_path, cert_path
 
 
-def fake_model_dir(root: Path, tiny: Path) -> Path:
+def fake_model_dir(root: Path, tiny: Path, context_tokens: int | None = None) -> Path:
     """The tiny checkpoint's tokenizer with the ``fake`` engine: a token every STEP_S."""
     root.mkdir(parents=True, exist_ok=True)
     for item in tiny.iterdir():
         if item.is_file() and item.suffix in (".json", ".txt", ".jinja"):
             shutil.copy(item, root / item.name)
     (root / "fake_engine.json").write_text(json.dumps({"decode_step_s": STEP_S}))
+    if context_tokens is not None:  # the context the front reads from config.json
+        config = json.loads((root / "config.json").read_text())
+        (root / "config.json").write_text(json.dumps({**config,
+                                                      "max_position_embeddings": context_tokens}))
     return root
 
 
@@ -183,8 +189,15 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def test_a_10mb_prompt_does_not_stall_other_streams(model_dir: Path, tmp_path) -> None:
-    node = Hybrid(tmp_path, model_dir, ["--max-request-bytes", str(32 << 20)], "http")
+@pytest.mark.parametrize(("context_tokens", "status", "code"), [
+    (None, 413, "request_too_large"),  # 2048 tokens: no prompt needs 10 MB
+    (1_000_000, 400, "context_length_exceeded"),  # tokenized off the loop, then refused
+])  # fmt: skip
+def test_a_10mb_prompt_does_not_stall_other_streams(
+    tiny_model_path: Path, tmp_path, context_tokens: int | None, status: int, code: str
+) -> None:
+    model = fake_model_dir(tmp_path / "model", tiny_model_path, context_tokens)
+    node = Hybrid(tmp_path, model, ["--max-request-bytes", str(32 << 20)], "http")
     try:
         node.wait_ready()
         calm, _ = asyncio.run(run_streams(node.url, None))
@@ -193,7 +206,6 @@ def test_a_10mb_prompt_does_not_stall_other_streams(model_dir: Path, tmp_path) -
         loaded, refusal = asyncio.run(run_streams(node.url, big.encode()))
     finally:
         node.stop()
-    assert refusal is not None and refusal["status"] == 400
-    assert refusal["code"] == "context_length_exceeded"
+    assert refusal is not None and (refusal["status"], refusal["code"]) == (status, code)
     print(f"unloaded p99 {p99(calm) * 1e3:.1f} ms, loaded max {max(loaded) * 1e3:.1f} ms")
     assert max(loaded) < 2 * p99(calm), (p99(calm), max(loaded))

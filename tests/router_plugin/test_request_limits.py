@@ -125,6 +125,21 @@ async def test_big_bodies_are_planned_in_a_worker_thread(edge, monkeypatch) -> N
     assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(text))
 
 
+async def test_off_loop_prompt_over_the_context_gets_its_exact_count(edge, text_tokenizer):
+    client, engine, _ = edge
+    text = "word " * 3000  # over off_loop_bytes; within the size bound, over 2048 tokens
+    exact = len(text_tokenizer.encode_chat(text_tokenizer.render_chat(
+        [{"role": "user", "content": text}])))  # fmt: skip
+    response = await client.post("/v1/chat/completions",
+                                 json={"messages": [{"role": "user", "content": text}]})
+    error = error_of(response, 400)
+    assert error["code"] == "context_length_exceeded"
+    assert f"has {exact} tokens" in error["message"]
+    count = text_tokenizer.encode_in_thread(text, max_tokens=2048)
+    assert count == len(text_tokenizer.encode(text))  # a count, not the ids
+    assert not engine.requests
+
+
 async def test_405_carries_allow_and_404_is_counted(edge) -> None:
     client, _, _ = edge
     wrong = await client.get("/v1/chat/completions")
