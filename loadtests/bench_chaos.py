@@ -21,7 +21,8 @@ and is started again while ``--streams`` streams keep coming.
 how often re-prefilling prompt + generated tokens changes a greedy continuation.
 
 Usage: python loadtests/bench_chaos.py [--quick] [--json PATH] [--streams 32]
-       python loadtests/bench_chaos.py --flips [--prompts 30] [--model PATH]
+       python loadtests/bench_chaos.py --flips [--prompts 30] [--model PATH] [--greedy-only]
+       [--flip-tokens 64] [--flip-points 1,16,40]
 """
 
 from __future__ import annotations
@@ -329,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flips", action="store_true", help="the token-flip measurement")
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--flip-tokens", type=int, default=64)
+    parser.add_argument("--flip-points", default="1,16,40", help="migration points k")
+    parser.add_argument("--greedy-only", action="store_true")
     args = parser.parse_args(argv)
     if args.flips:
         from migration_flips import run_flips

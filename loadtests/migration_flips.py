@@ -4,10 +4,11 @@ A migrated request is re-prefilled with prompt + the tokens it streamed; those t
 then come from a prefill (a chunked matmul) instead of from the decode steps that made them,
 so float rounding differs and a near-tie between two tokens can turn the other way. Per
 prompt (short and medium mixed, ``loadtests/prompts.py``, seeded): the no-fault output of
-``--tokens`` tokens on one in-process engine, then for each migration point ``k`` the output
-of prompt + its first ``k`` tokens with the budget left. A flip is any difference; the
-figures are the share of (prompt, k) pairs that flipped and where the first flip came.
-Greedy and seeded (temperature 0.8) requests both.
+``--flip-tokens`` tokens on one in-process engine, then for each migration point ``k``
+(``--flip-points``) the output of prompt + its first ``k`` tokens with the budget left
+(chat-templated prompts, as the router sends them). A flip is any difference; the figures
+are the share of (prompt, k) pairs that flipped and where the first flip came. Greedy and
+seeded (temperature 0.8) requests, or greedy alone (``--greedy-only``).
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ def generate(engine, request: GenerationRequest) -> list[int]:
     return tokens
 
 
-def flips_of(engine, prompt: tuple[int, ...], sampling: SamplingParams, tag: str) -> list:
+def flips_of(engine, prompt: tuple[int, ...], sampling: SamplingParams, tag: str,
+             tokens: int = TOKENS, points: tuple[int, ...] = MIGRATION_POINTS) -> list:
     """[(k, first flipped index or None)] for each migration point of one prompt."""
-    whole = generate(engine, GenerationRequest(f"{tag}", prompt, TOKENS, sampling))
+    whole = generate(engine, GenerationRequest(f"{tag}", prompt, tokens, sampling))
     found = []
-    for k in MIGRATION_POINTS:
+    for k in points:
         if k >= len(whole):
             continue  # it ended (EOS) before this point: nothing to migrate
-        moved = GenerationRequest(f"{tag}-{k}", prompt + tuple(whole[:k]), TOKENS - k, sampling)
+        moved = GenerationRequest(f"{tag}-{k}", prompt + tuple(whole[:k]), tokens - k, sampling)
         rest = generate(engine, moved)
         diffs = [i for i, (a, b) in enumerate(zip(rest, whole[k:], strict=False)) if a != b]
         if not diffs and len(rest) != len(whole) - k:
@@ -74,12 +76,18 @@ def run_flips(args: argparse.Namespace) -> int:
     tokenizer = TextTokenizer.from_dir(path)
     rng = random.Random(0)
     prompts = [make_prompt("short" if i % 2 else "medium", rng) for i in range(args.prompts)]
+    points = tuple(int(k) for k in args.flip_points.split(","))
+    modes = [("greedy", SamplingParams()), ("seeded t=0.8", SamplingParams(temperature=0.8,
+                                                                          seed=5))]
     rows = []
     try:
-        for name, sampling in (("greedy", SamplingParams()),
-                               ("seeded t=0.8", SamplingParams(temperature=0.8, seed=5))):
-            pairs = [pair for i, p in enumerate(prompts) for pair in
-                     flips_of(engine, tuple(tokenizer.encode(p.text())), sampling, f"{i}")]
+        for name, sampling in modes[:1] if args.greedy_only else modes:
+            pairs = []
+            for i, prompt in enumerate(prompts):
+                ids = tokenizer.encode_chat(tokenizer.render_chat(prompt.messages()))
+                pairs += flips_of(engine, tuple(ids), sampling, f"{name}-{i}",
+                                  args.flip_tokens, points)
+                print(f"{name} prompt {i}: {pairs[-len(points):]}", flush=True)
             flipped = [at for _, at in pairs if at is not None]
             rows.append([name, len(prompts), len(pairs), len(flipped),
                          f"{100 * len(flipped) / max(len(pairs), 1):.1f}",
@@ -87,8 +95,8 @@ def run_flips(args: argparse.Namespace) -> int:
             print(rows[-1], flush=True)
     finally:
         engine.close()
-    print(format_table(table(f"migration flips, {Path(path).name}, {TOKENS} tokens, "
-                             f"points {MIGRATION_POINTS}",
+    print(format_table(table(f"migration flips, {Path(path).name}, {args.flip_tokens} tokens, "
+                             f"points {points}",
                              ["sampling", "prompts", "pairs", "flipped", "flipped %",
                               "first flip at"], rows)))
     return 0
