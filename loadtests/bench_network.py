@@ -41,6 +41,7 @@ import json
 import os
 import random
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -395,6 +396,8 @@ def main() -> None:
     parser.add_argument("--raw-sink", nargs=3, metavar=("HOST", "PORT", "BYTES"))
     parser.add_argument("--raw-send", nargs=3, metavar=("HOST", "PORT", "BYTES"))
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the nodes stop and the namespaces go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.raw_sink or args.raw_send:
         host, port, size = args.raw_sink or args.raw_send
         (raw_sink if args.raw_sink else raw_send)(host, int(port), int(size))
