@@ -289,7 +289,8 @@ class MlxEngine:
         token = done.token
         sequence = Sequence(request, job.emit, done.sampler, token, 1, [token])
         reason = finish_reason(request, self.info, token, 1)
-        first = TokenEvent(request.request_id, 0, token, reason, cached_tokens=done.cached_tokens)
+        first = TokenEvent(request.request_id, 0, token, reason, None, done.cached_tokens,
+                           done.logprobs, done.prompt_logprobs)
         if deliver(job.emit, first) and reason is None:
             self._waiting.append((sequence, done.caches))
 
@@ -310,7 +311,8 @@ class MlxEngine:
             deliver(job.on_done, exc)
             return
         reason = finish_reason(request, self.info, done.token, 1)
-        result = PrefillResult(request, done.token, CacheState(layers), reason, done.cached_tokens)
+        result = PrefillResult(request, done.token, CacheState(layers), reason, done.cached_tokens,
+                               done.logprobs, done.prompt_logprobs)
         deliver(job.on_done, result)
 
     # -- decode --------------------------------------------------------------------------
@@ -342,13 +344,10 @@ class MlxEngine:
 
     def _advance(self, sequence: Sequence, logits: np.ndarray) -> bool:
         """Sample, emit; True while the sequence goes on."""
-        token = sequence.sampler.sample(logits, sequence.next_position)
-        sequence.sampler.observe(token)
-        sequence.num_generated += 1
-        sequence.last_token = token
-        sequence.generated.append(token)
+        token, logprobs = sequence.take_next(logits)
         reason = finish_reason(sequence.request, self.info, token, sequence.num_generated)
-        event = TokenEvent(sequence.request_id, sequence.num_generated - 1, token, reason)
+        event = TokenEvent(sequence.request_id, sequence.num_generated - 1, token, reason,
+                           logprobs=logprobs)
         return deliver(sequence.emit, event) and reason is None
 
     def _fail_batch(self, exc: Exception) -> None:

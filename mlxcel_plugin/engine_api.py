@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
+
 FINISH_STOP = "stop"  # EOS or a stop token id
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CANCELLED = "cancelled"
@@ -37,6 +39,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Seeded sampling is a pure function of (seed, position): same tokens on one node or two.
     seed: int | None = None
+    # Not sampling, but asked per request and carried with it (mlxcel_plugin/logprobs.py):
+    # report each generated token's logprob and this many alternatives (None: none) ...
+    logprobs: int | None = None
+    # ... and the prompt tokens' (positions 1..n-1), computed without prefix reuse.
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -45,7 +52,13 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         # Every field is a scalar: a shallow copy equals asdict(), without its recursion
         # (this runs twice per routed request, on the way to the first token).
-        return dict(self.__dict__)
+        data = dict(self.__dict__)
+        # Absent means None: a request without logprobs keeps the bytes it always had.
+        if data["logprobs"] is None:
+            del data["logprobs"]
+        if data["prompt_logprobs"] is None:
+            del data["prompt_logprobs"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -78,6 +91,10 @@ class TokenEvent:
     error: str | None = None
     # On the first event (index 0): prompt tokens whose K/V came from a prefix cache.
     cached_tokens: int = 0
+    # With ``token_id`` when the request asked ``sampling.logprobs``.
+    logprobs: TokenLogprobs | None = None
+    # On the first event, when the request asked ``sampling.prompt_logprobs``.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,8 @@ class PrefillResult:
     # Set when the first token already ends the request (EOS, or max_tokens == 1).
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    logprobs: TokenLogprobs | None = None  # the first token's, when asked
+    prompt_logprobs: PromptLogprobs | None = None  # when asked
 
 
 @dataclass(frozen=True)

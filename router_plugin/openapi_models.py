@@ -5,7 +5,8 @@ own bodies (``openai_schema``: the hot path pays no model validation), so they
 are described here by schema-only FastAPI routes that are never mounted; the
 other routes are FastAPI's own. The models say what the parser accepts (same
 ranges); ``tests/router_plugin/test_front_fuzz.py`` checks that a body the
-schema refuses is a 4xx and that 200 bodies match the response models.
+schema refuses is a 4xx and that 200 bodies match the response models, and
+``test_front_schemathesis.py`` runs schemathesis against this schema.
 """
 
 from __future__ import annotations
