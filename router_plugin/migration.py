@@ -22,7 +22,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from mlxcel_plugin.engine_api import GenerationRequest
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest
 from router_plugin.backend import next_batch
 from router_plugin.peer_links import PeerEvent
 from router_plugin.stream_bridge import DECODE
@@ -60,6 +60,16 @@ class MigrationLedger:
         prompt = tuple(self.request.prompt_tokens) + tuple(self.generated)
         return dataclasses.replace(self.request, prompt_tokens=prompt,
                                    max_tokens=self.remaining_tokens)
+
+
+def failed_result_as_error(event: PeerEvent) -> PeerEvent:
+    """A RESULT that reports a failure (a handoff that never landed, an engine error) is
+    handled like the node's ERROR frame: before the first token it ends the stream, after
+    it the request migrates."""
+    result = event.result
+    if result is None or (result.finish_reason != FINISH_ERROR and result.error is None):
+        return event
+    return PeerEvent(event.source, event.node_id, error=result.error or f"{event.source} failed")
 
 
 def moves_request(event: PeerEvent, client_error_codes: Collection[str]) -> bool:
