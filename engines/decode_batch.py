@@ -22,8 +22,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.kv_quant import mergeable
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EmitToken, GenerationRequest
+from mlxcel_plugin.logprobs import TokenLogprobs
 
 # A sequence joins a group while the group's longest sequence is at most this
 # many times its shortest: padded attention costs at most twice the real one.
@@ -56,6 +58,15 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def take_next(self, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """Sample the next token from its raw logits row and take it in; its logprobs if asked."""
+        token = self.sampler.sample(logits, self.next_position)
+        self.sampler.observe(token)
+        self.num_generated += 1
+        self.last_token = token
+        self.generated.append(token)
+        return token, self.sampler.logprobs(logits, token)
 
     @property
     def next_position(self) -> int:
@@ -210,6 +221,8 @@ class DecodeBatch:
         for sequence, own in zip(sequences, caches, strict=True):
             n = cached_tokens(own)
             target = self._pick_group(lengths, n, sequence.steps_left)
+            if not mergeable(own):  # quantized K/V have no batch form: a group of its own
+                target = len(lengths)
             if target == len(lengths):
                 lengths.append([])
                 joining.append([])

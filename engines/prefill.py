@@ -19,10 +19,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.prefix_cache import PrefixCache
+from engines.prompt_logprobs import prompt_logprobs_collector
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest
+from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
 
 LayerEvaluated = Callable[[int, Any], None]
+# (first position, lazy logits [1, n, vocab] of that forward): engines/prompt_logprobs.py
+ChunkLogits = Callable[[int, mx.array], None]
 WARMUP_TOKENS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
@@ -32,6 +36,7 @@ def run_prefill(
     caches: list[Any],
     chunk_size_tokens: int,
     on_layer: LayerEvaluated | None = None,
+    on_logits: ChunkLogits | None = None,
 ) -> mx.array:
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
@@ -46,6 +51,8 @@ def run_prefill(
     layer i's K/V are ready (and ``on_layer(i, cache)`` can ship them) while
     later layers are still to be computed. Unlike mlx-lm's ``generate_step``
     nothing runs ahead: the caches hold exactly the prompt.
+
+    ``on_logits`` (prompt logprobs) sees every forward's logits before it is evaluated.
     """
     if chunk_size_tokens < 1:
         raise ValueError(f"chunk_size_tokens must be >= 1, got {chunk_size_tokens}")
@@ -53,19 +60,26 @@ def run_prefill(
     start, total = _held_tokens(caches), prompt.shape[1]
     if start >= total:
         raise ValueError(f"the caches hold {start} tokens; the prompt has only {total}")
+    report = on_logits or _ignore_logits
     while total - start > chunk_size_tokens:
-        model(prompt[:, start : start + chunk_size_tokens], cache=caches)
+        report(start, model(prompt[:, start : start + chunk_size_tokens], cache=caches))
         mx.eval([c.state for c in caches])
         start += chunk_size_tokens
     if total - start > 1:
-        model(prompt[:, start : total - 1], cache=caches)
-    logits = model(prompt[:, total - 1 :], cache=caches)[0, -1, :]
+        report(start, model(prompt[:, start : total - 1], cache=caches))
+    last = model(prompt[:, total - 1 :], cache=caches)
+    report(total - 1, last)
+    logits = last[0, -1, :]
     for i, cache in enumerate(caches):
         mx.eval(cache.state)
         if on_layer is not None:
             on_layer(i, cache)
     mx.eval(logits)
     return logits
+
+
+def _ignore_logits(_start: int, _logits: mx.array) -> None:
+    pass  # MLX computes only what is evaluated: unread logits cost nothing
 
 
 def _held_tokens(caches: list[Any]) -> int:
@@ -79,6 +93,8 @@ class Prefilled:
     token: int  # the first token, sampled at the prompt's end
     caches: list[Any]
     cached_tokens: int  # prompt tokens reused from the prefix cache
+    logprobs: TokenLogprobs | None = None  # the first token's, when asked
+    prompt_logprobs: PromptLogprobs | None = None  # when asked
 
 
 def prefill_request(
@@ -91,16 +107,21 @@ def prefill_request(
 ) -> Prefilled:
     """Both roles' prefill: reuse a cached prefix, forward the rest, sample the first token."""
     prompt = request.prompt_tokens
-    reused = prefix.lookup(prompt) if prefix.enabled else None
+    # Prompt logprobs need every position's logits: no reuse (engines/prompt_logprobs.py).
+    collector = prompt_logprobs_collector(request)
+    reused = prefix.lookup(prompt) if prefix.enabled and collector is None else None
     caches = reused.caches if reused and reused.caches else make_prompt_cache(model)
     if on_layer is not None:  # the prefill role: refuse what no decode node could take
         kv_convert.check_cache_kinds(caches)  # before computing anything
-    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer)
+    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer, collector)
     prefix.store_prompt(prompt, caches)
     sampler = TokenSampler(request.sampling, prompt, vocab_size)
-    token = sampler.sample(np.array(logits.astype(mx.float32)), len(prompt))
+    row = np.array(logits.astype(mx.float32))
+    token = sampler.sample(row, len(prompt))
     sampler.observe(token)
-    return Prefilled(sampler, token, caches, reused.reused_tokens if reused else 0)
+    prompt_logprobs = None if collector is None else collector.result()
+    return Prefilled(sampler, token, caches, reused.reused_tokens if reused else 0,
+                     sampler.logprobs(row, token), prompt_logprobs)
 
 
 def warm_up(model: nn.Module, chunk_size_tokens: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from mlxcel_plugin.engine_api import SamplingParams
+from mlxcel_plugin.logprobs import TokenLogprobs, token_logprobs
 
 _UINT64 = (1 << 64) - 1
 
@@ -106,6 +107,14 @@ class TokenSampler:
         if self._counts is not None:
             logits = apply_penalties(logits[: self._counts.size], self._counts, self.params)
         return sample_from_logits(logits, self.params, self._rng(position))
+
+    def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs | None:
+        """The sampled ``token``'s logprobs from the raw ``logits`` row, when the request asked.
+
+        Raw: before penalties, temperature and truncation (mlxcel_plugin/logprobs.py).
+        """
+        top = self.params.logprobs
+        return None if top is None else token_logprobs(logits, token, top)
 
     def observe(self, token: int) -> None:
         """Add a generated token to the penalty context."""

@@ -20,13 +20,23 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
-from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
+from mlxcel_plugin.engine_api import FINISH_ERROR, FINISH_LENGTH, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import EngineError, NodeLostError
+from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
 from mlxcel_plugin.text import CompletionPipeline, TextDelta
 from router_plugin import responses
 from router_plugin.backend import TokenBackend
 from router_plugin.metrics import FrontMetrics
+
+
+@dataclass(frozen=True)
+class Echo:
+    """``echo``: the prompt leads the text; ``only``: ``max_tokens`` 0, nothing generated."""
+
+    text: str
+    only: bool = False
 
 
 class Completion:
@@ -57,6 +67,11 @@ class Completion:
         self._first: list[TokenEvent] | None = None
         self._lost = False  # the stream ended without a terminal event
         self.cached_tokens = 0  # from the first token's event: prompt tokens a node had cached
+        self.echo: Echo | None = None  # set by the front for ``echo``
+        # (token id, its logprobs) of each text token fed, when the request asked; and the
+        # prompt's, from the first event (router_plugin/logprobs_body.py renders them).
+        self.logprobs: list[tuple[int, TokenLogprobs]] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     # ------------------------------------------------------------ the run
 
@@ -136,6 +151,10 @@ class Completion:
 
     # ------------------------------------------------------------ helpers
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.sampling.logprobs is not None
+
     def _feed(self, batch: list[TokenEvent]) -> list[TextDelta]:
         deltas, tokens = [], 0
         for event in batch:
@@ -146,6 +165,12 @@ class Completion:
             if event.index == 0 and event.cached_tokens:
                 self.cached_tokens = event.cached_tokens
                 self._metrics.cached_prompt_tokens(event.cached_tokens)
+            if event.index == 0 and event.prompt_logprobs is not None:
+                self.prompt_logprobs = event.prompt_logprobs
+            if self.echo is not None and self.echo.only:  # the token was only the engine's
+                event = TokenEvent(event.request_id, 0, None, FINISH_LENGTH)
+            elif event.logprobs is not None:  # EOS too, as vLLM (loglikelihood clients count it)
+                self.logprobs.append((event.token_id, event.logprobs))
             delta = self._pipeline.feed(event)
             if delta:
                 deltas.append(delta)

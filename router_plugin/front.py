@@ -53,7 +53,7 @@ from mlxcel_plugin.text import (
     TextTokenizer,
     prompt_opens_reasoning,
 )
-from router_plugin import responses, sse
+from router_plugin import logprobs_body, responses, sse
 from router_plugin.api_keys import ApiKeyMiddleware, ApiKeys
 from router_plugin.backend import TokenBackend
 from router_plugin.completion import Completion
@@ -172,7 +172,9 @@ class OpenAIFront:
                 prompt = self.tokenizer.encode(params.prompt)
         else:
             prompt = self._checked_token_ids(params.prompt)
-        return self._completion(responses.TEXT, prompt, params.common, arrival_s)
+        completion = self._completion(responses.TEXT, prompt, params.common, arrival_s)
+        completion.echo = logprobs_body.echo_of(params, prompt, self.tokenizer)
+        return completion
 
     def plan_chat(self, params: ChatParams, arrival_s: float, *,
                   in_thread: bool = False) -> Completion:  # fmt: skip
@@ -260,7 +262,7 @@ class OpenAIFront:
         request = GenerationRequest(
             request_id=meta.id,
             prompt_tokens=tuple(prompt),
-            max_tokens=max_tokens,
+            max_tokens=max(max_tokens, 1),  # 0 (echo alone): one token, never shown
             sampling=common.sampling,
             stop_token_ids=self.tokenizer.eos_token_ids,
         )
@@ -283,6 +285,9 @@ class OpenAIFront:
             await run_until_disconnect(request, completion.start())
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; ends the handler cleanly
+        if logprobs_body.reports_logprobs(completion):
+            events = logprobs_body.stream(completion, self.tokenizer, self._sse_end)
+            return SSEResponse(events, headers=sse.HEADERS)
         return SSEResponse(self._sse(completion), headers=sse.HEADERS)
 
     async def _complete(self, completion: Completion) -> dict[str, Any]:
@@ -291,7 +296,9 @@ class OpenAIFront:
             responses.accumulate(total, delta)
         completion.raise_if_failed()
         finish_reason = completion.finish_reason or "stop"
-        return responses.full_body(completion.meta, total, finish_reason, completion.usage())
+        body = responses.full_body(completion.meta, total, finish_reason, completion.usage())
+        logprobs_body.fill_body(body, completion, self.tokenizer)
+        return body
 
     async def _sse(self, completion: Completion) -> AsyncIterator[bytes]:
         # One write per batch of deltas; the last batch goes with the end of the stream.

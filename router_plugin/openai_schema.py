@@ -11,14 +11,16 @@ numbers, valid strings) was checked before (``request_limits``). A missing
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxcel_plugin.engine_api import SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError
+from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions ``logprobs``
 # apply_chat_template's own arguments: a client may not set them (a "chat_template"
 # kwarg would run the client's own template on the server).
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -50,6 +52,7 @@ class ChatParams:
 class CompletionParams:
     common: CommonParams
     prompt: str | list[int]
+    echo: bool = False  # the prompt leads the text (and its logprobs, when asked)
 
 
 # -- typed field readers ------------------------------------------------------
@@ -149,10 +152,29 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def _max_tokens(body: dict[str, Any]) -> int | None:
-    newer = _int(body, "max_completion_tokens", minimum=1)
-    older = _int(body, "max_tokens", minimum=1)
+def _max_tokens(body: dict[str, Any], minimum: int = 1) -> int | None:
+    newer = _int(body, "max_completion_tokens", minimum=minimum)
+    older = _int(body, "max_tokens", minimum=minimum)
     return newer if newer is not None else older
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat ``logprobs`` (bool) and ``top_logprobs`` (0-20): alternatives, None = off."""
+    wanted = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", minimum=0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise _bad("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}, got {top}")
+    if top and not wanted:
+        raise _bad("top_logprobs", "needs 'logprobs': true (as OpenAI)")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions ``logprobs``: how many alternatives (0-5), None = off."""
+    top = _int(body, "logprobs", minimum=0)
+    if top is not None and top > MAX_COMPLETION_LOGPROBS:
+        raise _bad("logprobs", f"must be at most {MAX_COMPLETION_LOGPROBS}, got {top}")
+    return top
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
@@ -173,10 +195,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     best_of = _int(body, "best_of", minimum=1)
     if best_of is not None and best_of > 1:
         raise _bad("best_of", "only best_of=1 is supported")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "logprobs are not supported")
-    if body.get("echo") not in (None, False):
-        raise _bad("echo", "echo is not supported")
     if body.get("suffix") is not None:
         raise _bad("suffix", "suffix is not supported")
     _check_response_format(body.get("response_format"))
@@ -191,14 +209,17 @@ def _check_response_format(value: Any) -> None:
         raise _bad("response_format", f"type {value['type']!r} is not supported; use 'text'")
 
 
-def _common(body: dict[str, Any]) -> CommonParams:
+def _common(body: dict[str, Any], logprobs: int | None, *, echo: bool = False) -> CommonParams:
+    """Shared fields; ``logprobs`` (and, with ``echo``, the prompt's) ride on the sampling."""
     _reject_unsupported(body)
     stream = _bool(body, "stream")
     _optional_str(body, "user")  # unused, but OpenAI refuses a non-string
+    sampling = replace(_sampling(body), logprobs=logprobs,
+                       prompt_logprobs=logprobs if echo else None)
     return CommonParams(
         model=_optional_str(body, "model"),
-        max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
+        max_tokens=_max_tokens(body, minimum=0 if echo else 1),  # echo: the prompt alone
+        sampling=sampling,
         stop=_stop(body),
         stream=stream,
         include_usage=_include_usage(body, stream),
@@ -294,7 +315,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatParams:
     if reserved:
         raise _bad("chat_template_kwargs", f"cannot set {', '.join(reserved)}")
     return ChatParams(
-        common=_common(body),
+        common=_common(body, _chat_logprobs(body)),
         messages=[_message(m, i) for i, m in enumerate(messages)],
         tools=_tools(body),
         template_kwargs=kwargs,
@@ -322,4 +343,6 @@ def _prompt(value: Any) -> str | list[int]:
 def parse_completion_request(body: dict[str, Any]) -> CompletionParams:
     if body.get("prompt") is None:
         raise _bad("prompt", "this field is required")
-    return CompletionParams(common=_common(body), prompt=_prompt(body["prompt"]))
+    echo = _bool(body, "echo")
+    common = _common(body, _completion_logprobs(body), echo=echo)
+    return CompletionParams(common=common, prompt=_prompt(body["prompt"]), echo=echo)

@@ -39,12 +39,12 @@ from mlxcel_plugin.errors import (
     NoHealthyNodeError,
 )
 from mlxcel_plugin.link.protocol.frames import Request
+from mlxcel_plugin.logprobs import PromptLogprobs
 from router_plugin.migration import (
     DEFAULT_MAX_MIGRATIONS,
     DEFAULT_TOKEN_TIMEOUT_S,
     TOKEN_TIMEOUT_CODE,
     MigrationLedger,
-    failed_result_as_error,
     moves_request,
     next_batch_within,
     stall_event,
@@ -117,6 +117,16 @@ def wire_id(request_id: str, attempt: int) -> str:
     return request_id if attempt == 0 else f"{request_id}~{attempt}"
 
 
+def failed_result_as_error(event: PeerEvent) -> PeerEvent:
+    """A RESULT that reports a failure (a handoff that never landed, an engine error) is
+    handled like the node's ERROR frame: before the first token it ends the stream, after
+    it the request migrates."""
+    result = event.result
+    if result is None or (result.finish_reason != FINISH_ERROR and result.error is None):
+        return event
+    return PeerEvent(event.source, event.node_id, error=result.error or f"{event.source} failed")
+
+
 class RoutedRequest:
     """One admitted request: placement, the merged result streams, and its cleanup."""
 
@@ -132,6 +142,7 @@ class RoutedRequest:
         self.excluded: set[str] = set()  # nodes that failed this request (never tried again)
         self.index = 0  # completion index of the next token
         self.cached_tokens = 0  # prompt tokens a node had cached (from its first Result)
+        self.prompt_logprobs: PromptLogprobs | None = None  # the same, when asked
         self.refused = False  # answered 503: no node could take it
         context.stats.requests.total += 1
         context.stats.active_prefills += 1
@@ -244,11 +255,13 @@ class RoutedRequest:
         result = event.result
         if result.seq == 0 and not self.bridge.emitted_any_token:
             self.cached_tokens = result.cached_tokens  # reported with the first token
+            self.prompt_logprobs = result.prompt_logprobs
         if result.finish_reason is not None:
             self._side_done(event.source)
         # else a non-final seq 0 leaves P busy handing the KV to D: it is cancelled if we stop.
         return self._feed(ResultEvent(event.source, result.seq, tuple(result.token_ids),
-                                      result.finish_reason, result.error, self.bridge.attempt))
+                                      result.finish_reason, result.error, self.bridge.attempt,
+                                      result.logprobs))
 
     def _feed(self, result: ResultEvent) -> list[BridgeOutput]:
         had_token = self.bridge.emitted_any_token
@@ -346,9 +359,11 @@ class RoutedRequest:
         last = len(output.token_ids) - 1
         for i, token_id in enumerate(output.token_ids):
             finish = output.finish_reason if i == last else None
-            cached = self.cached_tokens if self.index == 0 else 0
-            events.append(TokenEvent(rid, self.index, token_id, finish,
-                                     output.error if finish else None, cached))
+            events.append(TokenEvent(  # the first token brings what P said of the prompt
+                rid, self.index, token_id, finish, output.error if finish else None,
+                0 if self.index else self.cached_tokens,
+                output.logprobs[i] if output.logprobs else None,
+                None if self.index else self.prompt_logprobs))
             self.index += 1
         return events
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from mlxcel_plugin.engine_api import FINISH_ERROR
+from mlxcel_plugin.logprobs import TokenLogprobs
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -54,6 +55,7 @@ class ResultEvent:
     error: str | None = None
     # The routing attempt it belongs to; events from an abandoned attempt are dropped.
     attempt: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
 
     @property
     def end_seq(self) -> int:
@@ -67,6 +69,7 @@ class BridgeOutput:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, or none
 
     @property
     def terminal(self) -> bool:
@@ -168,7 +171,8 @@ class StreamBridge:
 
     def _release(self, event: ResultEvent) -> list[BridgeOutput]:
         # Drop the part already released (a repeat, or an overlapping frame).
-        fresh = event.token_ids[max(0, self.next_seq - event.seq) :]
+        released = max(0, self.next_seq - event.seq)
+        fresh = event.token_ids[released:]
         if not fresh and event.finish_reason is None:
             return []
         self.next_seq += len(fresh)
@@ -177,7 +181,7 @@ class StreamBridge:
             self._complete(event.finish_reason, None)
         else:
             self._advance(event.source)
-        return [BridgeOutput(fresh, event.finish_reason)]
+        return [BridgeOutput(fresh, event.finish_reason, logprobs=event.logprobs[released:])]
 
     def _advance(self, source: str) -> None:
         if source == DECODE:

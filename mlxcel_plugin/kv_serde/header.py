@@ -25,6 +25,7 @@ from mlxcel_plugin.kv_serde.errors import (
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec, kv_layer, parse_layers
 from mlxcel_plugin.kv_serde.messages import KVMessage
+from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
 
 SERDE_VERSION = 1  # a full handoff
 # A delta handoff (``prefix_tokens`` > 0): a receiver older than it refuses it at the begin
@@ -159,6 +160,8 @@ def _sampling_params_from_dict(data: Any) -> SamplingParams:
             values["seed"] = f.get_int(data, "seed", -(2**63), 2**64 - 1)
         elif spec.name == "top_k":
             values["top_k"] = f.get_int(data, "top_k", 0, 1 << 31)
+        elif spec.name in ("logprobs", "prompt_logprobs"):
+            values[spec.name] = f.get_int(data, spec.name, 0, MAX_TOP_LOGPROBS)
         else:
             values[spec.name] = f.get_float(data, spec.name, -1e9, 1e9)
     return SamplingParams(**values)

@@ -58,7 +58,7 @@ from mlxcel_plugin.nodes.drain import NodeDrain
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics, register_inference_extension
-from mlxcel_plugin.nodes.outbox import Outbox
+from mlxcel_plugin.nodes.outbox import Outbox, token_result
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import DecodeScheduler, DecodeSchedulerConfig
@@ -318,10 +318,7 @@ class DecodeNode:
         if event.token_id is not None:
             self.metrics.tpot.observe(now - live.last_token_s)
         live.last_token_s = now
-        tokens = [] if event.token_id is None else [event.token_id]
-        result = Result(event.request_id, event.index, tokens, event.finish_reason,
-                        event.index + len(tokens), event.error, event.cached_tokens)
-        live.owner.put_result(result)
+        live.owner.put_result(token_result(event))
         if event.finish_reason is not None:
             self.metrics.finished.labels(event.finish_reason).inc()
             self._end(event.request_id)

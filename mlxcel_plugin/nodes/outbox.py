@@ -19,8 +19,10 @@ import collections
 import logging
 from dataclasses import dataclass
 
+from mlxcel_plugin.engine_api import TokenEvent
 from mlxcel_plugin.link import Link, LinkClosed
 from mlxcel_plugin.link.protocol.frames import Frame, Result
+from mlxcel_plugin.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +34,37 @@ class _Results:
     first: Result
     last: Result
     token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # one per token id, or none
+
+    @classmethod
+    def of(cls, result: Result) -> _Results:
+        return cls(result, result, list(result.token_ids), list(result.logprobs))
 
     def continued_by(self, result: Result) -> bool:
         last = self.last
         return (last.finish_reason is None and last.error is None
-                and result.seq == self.first.seq + len(self.token_ids))
+                and result.seq == self.first.seq + len(self.token_ids)
+                and result.prompt_logprobs is None  # (only a first token has them)
+                and bool(result.logprobs) == bool(self.logprobs))
+
+    def extend(self, result: Result) -> None:
+        self.token_ids.extend(result.token_ids)
+        self.logprobs.extend(result.logprobs)
+        self.last = result
 
     def to_frame(self) -> Frame:
-        last = self.last
-        return Result(last.request_id, self.first.seq, self.token_ids, last.finish_reason,
-                      last.generated_tokens, last.error).to_frame()
+        first, last = self.first, self.last
+        return Result(last.request_id, first.seq, self.token_ids, last.finish_reason,
+                      last.generated_tokens, last.error, first.cached_tokens,
+                      tuple(self.logprobs), first.prompt_logprobs).to_frame()
+
+
+def token_result(event: TokenEvent) -> Result:
+    """An engine's token event as the RESULT that reports it (its logprobs included)."""
+    tokens = [] if event.token_id is None else [event.token_id]
+    return Result(event.request_id, event.index, tokens, event.finish_reason,
+                  event.index + len(tokens), event.error, event.cached_tokens,
+                  () if event.logprobs is None else (event.logprobs,), event.prompt_logprobs)
 
 
 class Outbox:
@@ -66,12 +89,11 @@ class Outbox:
             return
         queued = self._open.get(result.request_id)
         if queued is not None and queued.continued_by(result):
-            queued.token_ids.extend(result.token_ids)
-            queued.last = result
+            queued.extend(result)
             return
         if self._can_send_now() and self._sent_now(result.to_frame()):
             return
-        queued = _Results(result, result, list(result.token_ids))
+        queued = _Results.of(result)
         self._open[result.request_id] = queued
         self._append(queued)
 

@@ -215,7 +215,9 @@ class PrefillNode:
             return
         self._prompt_tokens += len(job.request.prompt_tokens)
         first = Result(job.request_id, 0, [result.first_token], result.finish_reason, 1,
-                       cached_tokens=result.cached_tokens)
+                       cached_tokens=result.cached_tokens,
+                       logprobs=() if result.logprobs is None else (result.logprobs,),
+                       prompt_logprobs=result.prompt_logprobs)
         if result.finish_reason is not None:
             self._abort_handoff(job, "first token ended the request")
             self._finish(job, first, "finished_at_first_token")

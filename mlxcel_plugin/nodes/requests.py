@@ -21,7 +21,7 @@ from mlxcel_plugin.link.protocol.frames import (
 logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKEN_IDS = 1024
-_INT_FIELDS = frozenset({"top_k", "seed"})
+_INT_FIELDS = frozenset({"top_k", "seed", "logprobs", "prompt_logprobs"})
 
 
 def sampling_params(data: Mapping[str, Any]) -> SamplingParams:

@@ -44,6 +44,7 @@ from mlxcel_plugin.errors import (
     InvalidRequestError,
     MlxcelError,
 )
+from mlxcel_plugin.testing.fake_logprobs import first_logprobs, token_logprobs
 from mlxcel_plugin.testing.fake_model import (
     CONFIG_FILE,
     EOS_TOKEN_ID,
@@ -284,11 +285,11 @@ class FakeEngine:
                 job.on_layer(index, layers[-1])
         script = self._script(request)
         first, reason = self._token(request, prompt, script, 0)
-        cache = CacheState(layers)
+        cache, logprobs = CacheState(layers), first_logprobs(request, first, self.info.vocab_size)
         if job.on_done is not None:
-            job.on_done(PrefillResult(request, first, cache, reason))
+            job.on_done(PrefillResult(request, first, cache, reason, 0, *logprobs))
             return
-        job.emit(TokenEvent(request.request_id, 0, first, reason))
+        job.emit(TokenEvent(request.request_id, 0, first, reason, None, 0, *logprobs))
         self.prefixes.keep(prompt)
         if reason is None:
             self._batch[request.request_id] = _Sequence(
@@ -328,7 +329,9 @@ class FakeEngine:
         for sequence in list(self._batch.values()):
             request = sequence.request
             token, reason = self._token(request, sequence.prompt, sequence.script, sequence.index)
-            sequence.emit(TokenEvent(request.request_id, sequence.index, token, reason))
+            logprobs = token_logprobs(request, sequence.index, token, self.info.vocab_size)
+            sequence.emit(TokenEvent(request.request_id, sequence.index, token, reason,
+                                     logprobs=logprobs))
             sequence.index += 1
             self._speed.tokens += 1
             if reason is not None:

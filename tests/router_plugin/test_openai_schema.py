@@ -112,7 +112,9 @@ def test_tool_choice_none_drops_tools() -> None:
         ("stream_options", {"stream": True, "stream_options": 1}),
         ("n", {"n": 2}),
         ("n", {"n": 0}),
-        ("logprobs", {"logprobs": True}),
+        ("logprobs", {"logprobs": 1}),
+        ("top_logprobs", {"logprobs": True, "top_logprobs": 21}),
+        ("top_logprobs", {"top_logprobs": 1}),
         ("response_format", {"response_format": {"type": "json_object"}}),
         ("response_format", {"response_format": {"type": "json_schema", "json_schema": {}}}),
         ("response_format", {"response_format": "json"}),
@@ -145,11 +147,23 @@ def test_bad_completion_prompts(prompt) -> None:
     bad("prompt", {"prompt": prompt}, parse_completion_request)
 
 
-def test_completion_rejects_echo_suffix_best_of() -> None:
-    bad("echo", {"prompt": "a", "echo": True}, parse_completion_request)
+def test_completion_rejects_suffix_best_of() -> None:
     bad("suffix", {"prompt": "a", "suffix": "z"}, parse_completion_request)
     bad("best_of", {"prompt": "a", "best_of": 3}, parse_completion_request)
-    bad("logprobs", {"prompt": "a", "logprobs": 2}, parse_completion_request)
+    bad("logprobs", {"prompt": "a", "logprobs": 6}, parse_completion_request)
+    bad("max_tokens", {"prompt": "a", "max_tokens": 0}, parse_completion_request)
+
+
+def test_logprobs_ride_on_the_sampling() -> None:
+    chat = parse_chat_request({"messages": USER, "logprobs": True, "top_logprobs": 20})
+    assert chat.common.sampling.logprobs == 20 and chat.common.sampling.prompt_logprobs is None
+    assert parse_chat_request({"messages": USER}).common.sampling.logprobs is None
+    echo = parse_completion_request({"prompt": "a", "echo": True, "logprobs": 1,
+                                     "max_tokens": 0})
+    assert echo.echo and echo.common.max_tokens == 0
+    assert echo.common.sampling.logprobs == echo.common.sampling.prompt_logprobs == 1
+    plain = parse_completion_request({"prompt": "a", "logprobs": 0})
+    assert not plain.echo and plain.common.sampling.prompt_logprobs is None
 
 
 

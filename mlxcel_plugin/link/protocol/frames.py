@@ -35,6 +35,13 @@ from mlxcel_plugin.link.protocol.frame_codec import (
     split_frame,
     unpack_token_ids,
 )
+from mlxcel_plugin.logprobs import (
+    LogprobsMalformed,
+    PromptLogprobs,
+    TokenLogprobs,
+    tokens_from_wire,
+    tokens_to_wire,
+)
 
 __all__ = [
     "Body",
@@ -165,6 +172,10 @@ class Result:
     error: str | None = None
     # With the first token: prompt tokens served from the prefill node's prefix cache.
     cached_tokens: int = 0
+    # One per token id when the request asked logprobs; () = none (an older peer's).
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # With the first token when asked; travels as the body (``prompt_logprobs_top`` = k).
+    prompt_logprobs: PromptLogprobs | None = None
 
     TYPE: ClassVar[FrameType] = FrameType.RESULT
 
@@ -176,20 +187,34 @@ class Result:
         }
         if self.cached_tokens:  # absent means 0: older peers send and read the same bytes
             header["cached_tokens"] = self.cached_tokens
-        return Frame(self.TYPE, header)
+        if self.logprobs:  # the same: absent means none
+            header["logprobs"] = tokens_to_wire(self.logprobs)
+        if self.prompt_logprobs is None:
+            return Frame(self.TYPE, header)
+        header["prompt_logprobs_top"] = self.prompt_logprobs.top
+        return Frame(self.TYPE, header, self.prompt_logprobs.to_body())
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Result:
         expect_type(frame, cls.TYPE)
         h = frame.header
+        token_ids = get_int_list(h, "token_ids")
+        top = get_field(h, "prompt_logprobs_top", int)
+        try:
+            logprobs = tokens_from_wire(h.get("logprobs"), len(token_ids))
+            prompt = None if top is None else PromptLogprobs.from_body(frame.body, top)
+        except LogprobsMalformed as exc:
+            raise MalformedFrame(f"RESULT {exc.message}") from None
         return cls(
             request_id=get_field(h, "request_id", str, required=True),
             seq=get_field(h, "seq", int, required=True),
-            token_ids=get_int_list(h, "token_ids"),
+            token_ids=token_ids,
             finish_reason=get_field(h, "finish_reason", str),
             generated_tokens=get_field(h, "generated_tokens", int, 0),
             error=get_field(h, "error", str),
             cached_tokens=get_field(h, "cached_tokens", int, 0),
+            logprobs=logprobs,
+            prompt_logprobs=prompt,
         )
 
 

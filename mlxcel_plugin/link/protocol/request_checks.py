@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mlxcel_plugin.link.protocol.frame_codec import MalformedFrame
+from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 TOKEN_ID_MAX = (1 << 32) - 1  # prompt ids travel as uint32; stop ids may not exceed them
@@ -33,7 +34,10 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
 }
-INT_RANGES: dict[str, tuple[int, int]] = {"top_k": (0, INT64_MAX), "seed": (INT64_MIN, INT64_MAX)}
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "top_k": (0, INT64_MAX), "seed": (INT64_MIN, INT64_MAX),
+    "logprobs": (0, MAX_TOP_LOGPROBS), "prompt_logprobs": (0, MAX_TOP_LOGPROBS),
+}
 
 
 class FieldOutOfRange(MalformedFrame):
