@@ -45,6 +45,7 @@ from router_plugin.migration import (
     DEFAULT_TOKEN_TIMEOUT_S,
     TOKEN_TIMEOUT_CODE,
     MigrationLedger,
+    failed_result_as_error,
     moves_request,
     next_batch_within,
     stall_event,
@@ -115,16 +116,6 @@ class Placement:
 def wire_id(request_id: str, attempt: int) -> str:
     # A fresh id per attempt: frames of an abandoned attempt find no route.
     return request_id if attempt == 0 else f"{request_id}~{attempt}"
-
-
-def failed_result_as_error(event: PeerEvent) -> PeerEvent:
-    """A RESULT that reports a failure (a handoff that never landed, an engine error) is
-    handled like the node's ERROR frame: before the first token it ends the stream, after
-    it the request migrates."""
-    result = event.result
-    if result is None or (result.finish_reason != FINISH_ERROR and result.error is None):
-        return event
-    return PeerEvent(event.source, event.node_id, error=result.error or f"{event.source} failed")
 
 
 class RoutedRequest:
