@@ -97,6 +97,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["auto", "none"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    logprobs: bool | None = Field(None, description="each token's raw model logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
 
 
 class CompletionRequest(_Sampling):
@@ -104,6 +106,9 @@ class CompletionRequest(_Sampling):
         description="one prompt: text or token ids (a list of one of either also works)"
     )
     best_of: Literal[1] | None = None
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX, description="0 only with echo")
+    logprobs: int | None = Field(None, ge=0, le=5, description="alternatives per token")
+    echo: bool | None = Field(None, description="the prompt first (with logprobs: its own)")
 
 
 # -- responses ------------------------------------------------------------------
@@ -136,7 +141,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description='{"content": [...]} when asked')
     finish_reason: str
 
 
@@ -160,7 +165,7 @@ class ChunkDelta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
 
@@ -179,7 +184,8 @@ class ChatCompletionChunk(BaseModel):
 class TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(
+        None, description="tokens, token_logprobs, top_logprobs, text_offset when asked")
     finish_reason: str | None
 
 
