@@ -35,6 +35,7 @@ from engines.engine_commands import (
     finish_command,
 )
 from engines.engine_memory import EngineMemory
+from engines.kv_quant import KVQuantizer
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, warm_up
 from engines.prefix_cache import PrefixCache
@@ -67,7 +68,8 @@ class MlxEngine:
 
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig):
         self.model = model
-        self.info = info
+        self._kv_quant = KVQuantizer(config)  # [engine] kv_bits: quantized once prefilled
+        self.info = self._kv_quant.described(info, model)
         self._memory = EngineMemory(model, config)  # the KV budget sized from the model
         self.config, self.model_bytes = self._memory.config, self._memory.model_bytes
         self._commands: queue.Queue[Any] = queue.Queue()
@@ -292,14 +294,14 @@ class MlxEngine:
         first = TokenEvent(request.request_id, 0, token, reason, None, done.cached_tokens,
                            done.logprobs, done.prompt_logprobs)
         if deliver(job.emit, first) and reason is None:
-            self._waiting.append((sequence, done.caches))
+            self._waiting.append((sequence, self._kv_quant.caches(done.caches)))
 
     def _run_prefill_only(self, job: Prefill) -> None:
         request = job.request
         layers: list[CacheLayer] = []
 
         def layer_ready(_: int, cache: Any) -> None:  # a CacheList is several handoff layers
-            for leaf in cache_layout.leaves([cache]):
+            for leaf in cache_layout.leaves([self._kv_quant.cache(cache)]):
                 layers.append(kv_convert.to_cache_layer(leaf, len(request.prompt_tokens)))
                 if job.on_layer is not None:
                     job.on_layer(len(layers) - 1, layers[-1])

@@ -104,12 +104,17 @@ def _scale_head(weights: dict[str, mx.array]) -> None:
     weights[head] = weights[head] * HEAD_SCALE
 
 
-def write_arch_checkpoint(out_dir: Path, arch: str, seed: int = 0, q_bits: int = 0) -> Path:
-    """A random ``arch`` on SmolLM2's tokenizer; ``q_bits``: weights quantized (like convert -q)."""
+def write_arch_checkpoint(out_dir: Path, arch: str, seed: int = 0, q_bits: int = 0,
+                          head_dim: int = 0) -> Path:
+    """A random ``arch`` on SmolLM2's tokenizer; ``q_bits``: weights quantized (like convert -q).
+
+    ``head_dim``: another attention head width (kv_bits needs a multiple of 32).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, meta = gguf.read_gguf(smollm2_gguf_path())
     config = tiny_config(arch, gguf.llama_config(meta))
+    config |= {"head_dim": head_dim} if head_dim else {}
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -128,9 +133,12 @@ def write_arch_checkpoint(out_dir: Path, arch: str, seed: int = 0, q_bits: int =
     return out_dir
 
 
-def ensure_arch_model(arch: str, seed: int = 0, root: Path | None = None, q_bits: int = 0) -> Path:
-    name = TINY_ARCH_DIR.format(arch=arch, quant=f"-q{q_bits}" if q_bits else "", seed=seed)
-    return _ensure(name, lambda out: write_arch_checkpoint(out, arch, seed, q_bits), root)
+def ensure_arch_model(arch: str, seed: int = 0, root: Path | None = None, q_bits: int = 0,
+                      head_dim: int = 0) -> Path:
+    variant = (f"-q{q_bits}" if q_bits else "") + (f"-hd{head_dim}" if head_dim else "")
+    name = TINY_ARCH_DIR.format(arch=arch, quant=variant, seed=seed)
+    return _ensure(name, lambda out: write_arch_checkpoint(out, arch, seed, q_bits, head_dim),
+                   root)
 
 
 def main(argv: list[str] | None = None) -> int:

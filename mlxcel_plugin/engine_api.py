@@ -217,6 +217,10 @@ class EngineConfig:
     memory_threshold: float = 0.85
     # 0: sized from the model and the machine's memory (mlxcel_plugin/memory_budget.py).
     kv_memory_bytes: int = 0
+    # K/V kept quantized to this many bits once a prompt is prefilled (engines/kv_quant.py;
+    # mlx-lm's kv_bits); 0: off. Prefill and decode nodes must agree.
+    kv_bits: int = 0
+    kv_group_size: int = 64
     warmup: bool = True
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
