@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec, LayerSpec
 
 HANDOFF_KINDS = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache",
@@ -73,7 +73,16 @@ def unsupported_kinds(caches: list[Any]) -> list[str]:
 
 
 def live_arrays(cache: Any) -> dict[str, mx.array]:
-    """A leaf cache's arrays by handoff name, K/V cut to the live tokens (temporal order)."""
+    """A leaf cache's arrays by handoff name, K/V cut to the live tokens (temporal order).
+
+    By class name, as ``unsupported_kinds`` decides: a subclass (another mlx-lm's class,
+    say) may keep more state than its base, so it has no handoff form.
+    """
+    if type(cache).__name__ not in HANDOFF_KINDS:
+        raise CacheNotTransferableError(
+            f"cache class {type(cache).__name__} cannot be handed off "
+            f"(supported: {', '.join(HANDOFF_KINDS)})"
+        )
     if isinstance(cache, RotatingKVCache):
         return {"k": cache._temporal_order(cache.keys), "v": cache._temporal_order(cache.values)}
     if isinstance(cache, ChunkedKVCache):  # llama4's local layers: the last chunk_size tokens
@@ -85,12 +94,7 @@ def live_arrays(cache: Any) -> dict[str, mx.array]:
         return named | {f"v{p}": a for p, a in zip(_QUANT_PARTS, values, strict=True)}
     if isinstance(cache, ArraysCache):
         return {f"s{i}": a for i, a in enumerate(cache.cache) if a is not None}
-    if isinstance(cache, KVCache):
-        return {"k": cache.keys[..., : cache.offset, :], "v": cache.values[..., : cache.offset, :]}
-    raise HandoffError(
-        f"cache class {type(cache).__name__} cannot be handed off "
-        f"(supported: {', '.join(HANDOFF_KINDS)})"
-    )
+    return {"k": cache.keys[..., : cache.offset, :], "v": cache.values[..., : cache.offset, :]}
 
 
 def layer_meta(cache: Any, held_tokens: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from engines import cache_layout
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import SlabCarver, mlx_view
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
-from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 from mlxcel_plugin.kv_serde.header import ModelFingerprint
 
 SUPPORTED_KINDS = HANDOFF_KINDS
@@ -30,12 +30,12 @@ _MX_STORAGE = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float1
 
 
 def check_cache_kinds(caches: list[Any]) -> None:
-    """Raise ``HandoffError`` unless every leaf cache can be exported."""
+    """Raise ``CacheNotTransferableError`` (HTTP 501) unless every leaf cache can be exported."""
     unsupported = cache_layout.unsupported_kinds(caches)
     if unsupported:
-        raise HandoffError(
+        raise CacheNotTransferableError(
             f"cache classes {unsupported} cannot be handed off "
-            f"(supported: {', '.join(SUPPORTED_KINDS)})"
+            f"(supported: {', '.join(SUPPORTED_KINDS)}): this model runs on hybrid nodes only"
         )
 
 

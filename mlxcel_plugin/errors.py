@@ -131,6 +131,17 @@ class HandoffError(MlxcelError):
     code = "handoff_failed"
 
 
+class CacheNotTransferableError(HandoffError):
+    """The model keeps a cache class with no handoff form: it cannot run disaggregated.
+
+    Refused per request before any compute, naming the class; hybrid serving works.
+    """
+
+    status_code = 501
+    error_type = "not_implemented_error"
+    code = "cache_not_transferable"
+
+
 class EngineError(MlxcelError):
     """The engine failed while serving one request."""
 

@@ -32,6 +32,7 @@ from mlxcel_plugin.balancer_api import RequestInfo
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import (
     AtCapacityError,
+    CacheNotTransferableError,
     ContextLengthError,
     InvalidRequestError,
     MlxcelError,
@@ -65,11 +66,13 @@ from router_plugin.stream_bridge import (
 logger = logging.getLogger(__name__)
 
 AT_CAPACITY_CODES = frozenset({AtCapacityError.code, NoHealthyNodeError.code})
-# A node's refusal that is the client's fault: the same 400 a single node would give.
-CLIENT_ERRORS: dict[str, type[InvalidRequestError]] = {
+# A node's refusal that is the client's fault: the same 400 a single node would give
+# (or 501: a model that cannot run disaggregated; no other node would do better).
+CLIENT_ERRORS: dict[str, type[MlxcelError]] = {
     InvalidRequestError.code: InvalidRequestError,
     ContextLengthError.code: ContextLengthError,
     "prompt_too_long": ContextLengthError,
+    CacheNotTransferableError.code: CacheNotTransferableError,
 }
 
 # (role, request, excluded node ids, prompt prefix keys) -> a healthy node of that role

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 
 
 class MalformedHandoff(HandoffError):
@@ -38,6 +38,12 @@ class UnsupportedCacheKind(HandoffError):
     """A layer's cache class cannot travel (only KVCache and RotatingKVCache can)."""
 
     code = "handoff_unsupported_cache_kind"
+
+
+class CacheClassNotTransferable(UnsupportedCacheKind, CacheNotTransferableError):
+    """The model keeps a cache class with no handoff form at all: a 501 naming it."""
+
+    code = CacheNotTransferableError.code
 
 
 class StaleEpoch(HandoffError):

@@ -15,11 +15,11 @@ from mlxcel_plugin.engine_api import GenerationRequest, SamplingParams
 from mlxcel_plugin.kv_codecs import TENSOR_DTYPES, storage_dtype
 from mlxcel_plugin.kv_serde import fields as f
 from mlxcel_plugin.kv_serde.errors import (
+    CacheClassNotTransferable,
     FingerprintMismatch,
     LayerCountMismatch,
     MalformedHandoff,
     OversizeDeclared,
-    UnsupportedCacheKind,
     UnsupportedHandoffVersion,
 )
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
@@ -128,7 +128,7 @@ class ModelFingerprint:
         undescribed = {layer.kind for layer in self.layers if not layer.arrays}
         unsupported = sorted(set(self.cache_classes) - SUPPORTED_CACHE_KINDS | undescribed)
         if unsupported:
-            raise UnsupportedCacheKind(
+            raise CacheClassNotTransferable(
                 f"cache classes {unsupported} cannot be handed off; "
                 f"supported: {sorted(SUPPORTED_CACHE_KINDS)}"
             )

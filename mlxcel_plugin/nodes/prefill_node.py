@@ -130,6 +130,7 @@ class PrefillNode:
     def _on_request(self, outbox: Outbox, frame: Request) -> None:
         if frame.claim:
             raise FrameError("a prefill node takes no claims", code="claim_refused")
+        self.fingerprint.check_supported()  # a model with no handoff form: a 501 naming the class
         request = generation_request(frame)
         target, pinned = self._choose_target(frame.decode_target)
         prefix = delta_prefix_tokens(frame.decode_cached_tokens, pinned, self.fingerprint)
