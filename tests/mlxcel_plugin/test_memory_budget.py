@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxcel_plugin.config import ServerConfig
 from mlxcel_plugin.engine_api import EngineConfig
+from mlxcel_plugin.kv_serde.pool import pool_bytes_for
 from mlxcel_plugin.memory_budget import (
     MIN_KV_BUDGET_BYTES,
     budgets_for,
@@ -12,7 +14,10 @@ from mlxcel_plugin.memory_budget import (
     kv_budget_for,
     with_kv_budget,
 )
+from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
+from mlxcel_plugin.nodes.roles import decode_scheduler_config
 from mlxcel_plugin.scheduling import DecodeSchedulerConfig
+from mlxcel_plugin.testing.fake_engine import FakeEngine
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -59,3 +64,16 @@ def test_nodes_read_the_engine_s_sized_budget():
 
 def test_decode_scheduler_sizes_an_unset_budget():
     assert DecodeSchedulerConfig.from_engine_config(EngineConfig()).kv_budget_bytes > 0
+
+
+def test_a_decode_node_sizes_its_receive_pool_from_the_engine_s_budget():
+    engine = FakeEngine(config=EngineConfig(kv_memory_bytes=256 * MIB))
+    engine.model_bytes = 64 * MIB
+    sized = engine_config_of(engine, EngineConfig())
+    scheduler = decode_scheduler_config(ServerConfig(), sized)
+    assert scheduler.kv_budget_bytes == 256 * MIB
+    parts = DecodeNodeParts(engine, scheduler, {}, kv_budget_bytes=sized.kv_memory_bytes,
+                            model_bytes=engine.model_bytes)
+    node = DecodeNode(parts, "decode-test")
+    pool = node.receiver.memory.pool
+    assert pool.max_bytes == pool_bytes_for(256 * MIB, 64 * MIB) == 64 * MIB
