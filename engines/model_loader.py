@@ -33,6 +33,29 @@ def load_mlx_model(model_path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     return load_model(path)
 
 
+def load_sharded_model(model_path: str | Path,
+                       group: mx.distributed.Group) -> tuple[nn.Module, dict[str, Any]]:
+    """This rank's tensor-parallel slice of a checkpoint (mlx-lm's ``model.shard``).
+
+    Loaded lazily, so each rank reads only what its slice keeps.
+    """
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not an mlx-lm checkpoint directory (no config.json)")
+    model, config = load_model(path, lazy=True)
+    architecture = config.get("model_type", "?")
+    if not hasattr(model, "shard"):
+        raise ConfigError(f"mlx-lm has no tensor-parallel shard() for {architecture}")
+    ranks = group.size()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = _arg(config, key)
+        if heads and int(heads) % ranks:
+            raise ConfigError(f"{architecture}: {key}={heads} does not split over {ranks} ranks")
+    model.shard(group)
+    mx.eval(model.parameters())
+    return model, config
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -125,4 +148,5 @@ def model_info(model_path: str | Path, model: nn.Module, config: dict[str, Any])
         context_length=context_length(config),
         eos_token_ids=eos_token_ids(path, config),
         vocab_size=int(vocab) if vocab else 0,
+        tokenizer_dir=str(path),
     )

@@ -22,6 +22,7 @@ from mlxcel_plugin.errors import ConfigError, MlxcelError
 from mlxcel_plugin.link import require_cluster_secret
 from mlxcel_plugin.model_cache import DEFAULT_MODEL_DIRNAME, cache_dir
 from mlxcel_plugin.plugins import load_plugins
+from mlxcel_plugin.shard_ranks import prepare_ranks
 
 PROG = "mlxcel-server"
 
@@ -60,6 +61,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("--max-request-bytes", type=int, help="largest request body (default 8 MiB)")
     add("--ssl-keyfile", help="hybrid/router: serve HTTPS with this key (and --ssl-certfile)")
     add("--ssl-certfile", help="hybrid/router: serve HTTPS with this certificate")
+    add("--shard-ranks", type=int,
+        help="engine roles: split the model over N local tensor-parallel ranks (mlx ring)")
+    add("--shard-hostfile", help="engine roles: mlx ring hostfile (JSON) of ranks on several hosts")
+    add("--shard-rank", type=int, help="this process's rank in --shard-hostfile (0 serves)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="log level")
     return parser
 
@@ -107,10 +112,12 @@ def run(argv: Sequence[str]) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # Fail fast, before any model is loaded or converted.
-    require_cluster_secret(config.role, config.cluster_secret_file, os.environ)
+    # Fail fast, before any model is loaded or converted (a follower rank serves no link).
+    if config.shard_rank == 0:
+        require_cluster_secret(config.role, config.cluster_secret_file, os.environ)
     maybe_reexec_with_openblas(config, argv)
     config = resolve_model(config)
+    prepare_ranks(config)  # --shard-ranks / --shard-hostfile (mlxcel_plugin/shard_ranks.py)
     registry = load_plugins()
     run_role = registry.get("role", config.role)
     run_role(config, registry)

@@ -50,6 +50,11 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    # Tensor-parallel ranks of one engine role (engines/sharding_engine.py): N local ranks,
+    # or a ring hostfile (mlx's JSON, one ["ip:port"] per rank) and this process's rank.
+    shard_ranks: int = 1
+    shard_hostfile: str | None = None
+    shard_rank: int = 0
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -83,6 +88,8 @@ ENV_VARS = {
     "MLXCEL_DISTRIBUTED_CONFIG": "distributed_config",
     "MLXCEL_API_KEY": "api_keys",  # comma-separated
     "MLXCEL_MAX_REQUEST_BYTES": "max_request_bytes",
+    "MLX_HOSTFILE": "shard_hostfile",  # as mlx.launch sets them
+    "MLX_RANK": "shard_rank",
 }
 
 # TOML sections handled here; other sections are kept raw in ``sections``.
@@ -245,6 +252,21 @@ def validate(config: ServerConfig) -> ServerConfig:
     for tls_file in (config.ssl_keyfile, config.ssl_certfile):
         if tls_file and not Path(tls_file).is_file():
             raise ConfigError(f"no such file: {tls_file}")
+    _validate_shards(config)
     if config.model is not None and not Path(config.model).is_dir():
         raise ConfigError(f"--model {config.model}: not a checkpoint directory")
     return config
+
+
+def _validate_shards(config: ServerConfig) -> None:
+    sharded = config.shard_ranks > 1 or config.shard_hostfile
+    if config.shard_ranks < 1:
+        raise ConfigError(f"--shard-ranks must be >= 1, got {config.shard_ranks}")
+    if config.shard_ranks > 1 and config.shard_hostfile:
+        raise ConfigError("--shard-ranks (local ranks) and --shard-hostfile go apart")
+    if sharded and config.role == "router":
+        raise ConfigError("a router holds no model: --shard-* is for engine roles")
+    if config.shard_hostfile and not Path(config.shard_hostfile).is_file():
+        raise ConfigError(f"--shard-hostfile: no such file {config.shard_hostfile}")
+    if config.shard_rank < 0 or (config.shard_rank and not config.shard_hostfile):
+        raise ConfigError("--shard-rank R needs --shard-hostfile and R >= 0")

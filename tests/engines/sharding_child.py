@@ -1,0 +1,75 @@
+"""Rank 0 of a 2-rank sharded engine beside an unsharded one (tests/engines/test_sharding_ranks.py).
+
+``python -m tests.engines.sharding_child MODEL`` (with ``MLX_HOSTFILE``/``MLX_RANK=0``
+set and rank 1 running ``engines.sharding_follower``) prints one JSON object:
+the tokens of each case on the unsharded engine, the sharded one, and across
+them (sharded prefill -> unsharded decode, and the reverse), plus how close
+the two engines' first-token logits and handed-off K/V are.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import numpy as np
+
+from engines.mlx_engine import MlxEngine
+from engines.plugin import make_mlx_engine
+from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, SamplingParams
+from tests.engines import support
+
+PROMPTS = [list(range(5, 25)), [7, 300, 41, 9000, 12, 3] * 6, list(range(1000, 1003))]
+MAX_TOKENS = 24
+SEEDED = SamplingParams(temperature=0.8, seed=11)
+
+
+def requests(tag: str) -> list[GenerationRequest]:
+    out = [GenerationRequest(f"{tag}-g{i}", tuple(p), MAX_TOKENS) for i, p in enumerate(PROMPTS)]
+    out.append(GenerationRequest(f"{tag}-s", tuple(PROMPTS[1]), MAX_TOKENS, SEEDED))
+    return out
+
+
+def together(engine, reqs: list[GenerationRequest]) -> list[list[int]]:
+    """All at once: they share the decode batch."""
+    events = [support.Events() for _ in reqs]
+    for request, sink in zip(reqs, events, strict=True):
+        engine.generate(request, sink)
+    return [sink.wait() and sink.tokens for sink in events]
+
+
+def max_kv_gap(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x.keys, np.float32) - np.asarray(y.keys,
+                                                                              np.float32))))
+               for x, y in zip(a.cache.layers, b.cache.layers, strict=True))
+
+
+def main() -> None:
+    config = EngineConfig(warmup=True, chunk_size_tokens=16)
+    plain = MlxEngine.from_path(sys.argv[1], config)
+    plain.start()
+    sharded = make_mlx_engine(sys.argv[1], config)
+    sharded.start()
+    out: dict = {"ranks": sharded.ranks,
+                 "fingerprint_equal": sharded.info.fingerprint == plain.info.fingerprint}
+    try:
+        out["plain"] = [support.generate(plain, r).tokens for r in requests("p")]
+        out["sharded"] = [support.generate(sharded, r).tokens for r in requests("s")]
+        out["sharded_batched"] = together(sharded, requests("b"))
+        out["sharded_to_plain"] = [support.decode_after(plain, r, support.prefill(sharded, r))
+                                   for r in requests("sp")]
+        out["plain_to_sharded"] = [support.decode_after(sharded, r, support.prefill(plain, r))
+                                   for r in requests("ps")]
+        probe = requests("k")[1]
+        out["kv_max_abs_gap"] = max_kv_gap(support.prefill(plain, probe),
+                                           support.prefill(sharded, probe))
+        out["threads"] = threading.active_count()
+    finally:
+        sharded.close()
+        plain.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

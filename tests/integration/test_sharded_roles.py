@@ -1,0 +1,118 @@
+"""A prefill node sharded over 2 local ranks hands off to an unsharded decode node.
+
+Real processes (``--shard-ranks 2``: rank 1 is the node's child), compared with
+an unsharded hybrid node's answers: the handoff carries whole K/V (gathered
+from both ranks), so the decode node needs to know nothing of the split. The
+tiny llama keeps greedy tokens clear of ties, so the text is the same (what
+exactly is guaranteed: tests/engines/test_sharding_ranks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxcel_plugin.link import generate_secret_file
+from mlxcel_plugin.local_cluster import LOOPBACK, free_port, start_node
+
+pytestmark = pytest.mark.timeout(600)
+STARTUP_TIMEOUT_S = 180
+MODEL = "tiny"
+PROMPT = "the fox ran over the hill and far away"
+CASES = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 3,
+                         "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
+                              "max_tokens": 12}),
+]
+
+
+def answers(url: str) -> list[str]:
+    """Each case's text (a stream's deltas joined) and finish reason."""
+    out = []
+    with httpx.Client(timeout=120) as http:
+        for path, body in CASES:
+            response = http.post(f"{url}{path}", json={"model": MODEL, **body})
+            assert response.status_code == 200, response.text
+            out.append(_text(response.text))
+    return out
+
+
+def _text(body: str) -> str:
+    chunks = [json.loads(line[6:]) for line in body.splitlines()
+              if line.startswith("data: {")] or [json.loads(body)]
+    parts, finish = [], None
+    for chunk in chunks:
+        for choice in chunk.get("choices", []):
+            parts.append(choice.get("text") or (choice.get("message") or {}).get("content")
+                         or (choice.get("delta") or {}).get("content") or "")
+            finish = choice.get("finish_reason") or finish
+    return f"{''.join(parts)!r} ({finish})"
+
+
+def handoffs(url: str, want: int, timeout_s: float = 30.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("mlxcel:handoff_bytes_count ")]
+        count = float(lines[0].split()[-1]) if lines else 0.0
+        if count >= want or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)
+
+
+def followers_of(pid: int) -> list[int]:
+    """Processes started as shard followers of ``pid`` (their ``--parent-pid``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"engines.sharding_follower" in argv and str(pid).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_sharded_prefill_node_hands_off_to_an_unsharded_decode_node(tiny_model_path,
+                                                                       tmp_path: Path):
+    args = ["--model", str(tiny_model_path), "--served-model-name", MODEL, "--no-warmup"]
+    hybrid = start_node("hybrid", tmp_path, args)
+    try:
+        hybrid.wait_healthy(STARTUP_TIMEOUT_S)
+        expected = answers(hybrid.url)
+    finally:
+        hybrid.stop()
+    secret = tmp_path / "cluster.secret"
+    generate_secret_file(secret)
+    toml = tmp_path / "cluster.toml"
+    toml.write_text("[prefix_cache]\nlocal_prefill_tokens = 0\n")  # every request hands off
+    node_args = [*args, "--cluster-secret-file", str(secret), "--distributed-config", str(toml)]
+    prefill_bind, decode_bind = (f"{LOOPBACK}:{free_port()}" for _ in range(2))
+    prefill = start_node("prefill", tmp_path, [*node_args, "--shard-ranks", "2"],
+                         serving_bind=prefill_bind)
+    decode = start_node("decode", tmp_path, node_args, serving_bind=decode_bind)
+    router = start_node("router", tmp_path, [*node_args, "--prefill-peers", prefill_bind,
+                                             "--decode-peers", decode_bind])
+    nodes = [router, decode, prefill]
+    try:
+        for node in nodes:
+            node.wait_healthy(STARTUP_TIMEOUT_S)
+        ranks = followers_of(prefill.process.pid)
+        routed = answers(router.url)
+        handed_off = handoffs(prefill.url, len(CASES))
+    finally:
+        statuses = [node.stop() for node in nodes]
+    assert len(ranks) == 1, prefill.log_tail()
+    assert routed == expected
+    assert handed_off == len(CASES)
+    assert statuses[-1] == 0, prefill.log_tail()
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # no rank left behind
