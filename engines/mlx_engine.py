@@ -35,13 +35,13 @@ from engines.engine_commands import (
     finish_command,
 )
 from engines.engine_memory import EngineMemory
+from engines.grammar import request_sampler
 from engines.kv_quant import KVQuantizer
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, warm_up
 from engines.prefix_cache import PrefixCache
 from engines.prefix_splice import check_handoff, handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
-from engines.sampling import TokenSampler
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
@@ -243,7 +243,7 @@ class MlxEngine:
         prompt = request.prompt_tokens
         pin = self._prefix.take_pin(request.request_id)  # a delta handoff's prefix
         check_handoff(command.cache, self.info.fingerprint, len(prompt), pin)
-        sampler = TokenSampler(request.sampling, (*prompt, first), self.info.vocab_size)
+        sampler = request_sampler(request, self.info, (first,))  # a grammar replays ``first``
         sequence = Sequence(request, command.emit, sampler, first, 1, [first])
         # The first token was emitted by the prefill node; it may already end the request.
         reason = finish_reason(request, self.info, first, 1)
@@ -275,7 +275,7 @@ class MlxEngine:
 
     def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
         done = prefill_request(
-            self.model, request, self._prefix, self.config, self.info.vocab_size, on_layer
+            self.model, request, self._prefix, self.config, self.info, on_layer
         )
         self._fit_prefix_cache()
         return done

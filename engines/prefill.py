@@ -18,10 +18,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
+from engines.grammar import request_sampler
 from engines.prefix_cache import PrefixCache
 from engines.prompt_logprobs import prompt_logprobs_collector
 from engines.sampling import TokenSampler
-from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest
+from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, ModelInfo
 from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
 
 LayerEvaluated = Callable[[int, Any], None]
@@ -102,11 +103,12 @@ def prefill_request(
     request: GenerationRequest,
     prefix: PrefixCache,
     config: EngineConfig,
-    vocab_size: int,
+    info: ModelInfo,
     on_layer: LayerEvaluated | None = None,
 ) -> Prefilled:
     """Both roles' prefill: reuse a cached prefix, forward the rest, sample the first token."""
     prompt = request.prompt_tokens
+    sampler = request_sampler(request, info)  # a grammar that cannot be built fails first
     # Prompt logprobs need every position's logits: no reuse (engines/prompt_logprobs.py).
     collector = prompt_logprobs_collector(request)
     reused = prefix.lookup(prompt) if prefix.enabled and collector is None else None
@@ -115,7 +117,6 @@ def prefill_request(
         kv_convert.check_cache_kinds(caches)  # before computing anything
     logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer, collector)
     prefix.store_prompt(prompt, caches)
-    sampler = TokenSampler(request.sampling, prompt, vocab_size)
     row = np.array(logits.astype(mx.float32))
     token = sampler.sample(row, len(prompt))
     sampler.observe(token)

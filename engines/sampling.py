@@ -9,6 +9,8 @@ tokens independent of whatever else shares its decode batch.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from mlxcel_plugin.engine_api import SamplingParams
@@ -84,13 +86,23 @@ def position_rng(seed: int, position: int) -> np.random.Generator:
     return np.random.default_rng((seed & _UINT64, position))
 
 
+class LogitsConstraint(Protocol):
+    """Which tokens may come next (constrained decoding: engines/grammar.py)."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...  # refused tokens at -inf, a new row
+
+    def advance(self, token: int) -> None: ...
+
+
 class TokenSampler:
     """Sampling state of one sequence: its params, penalty context and randomness."""
 
     def __init__(
-        self, params: SamplingParams, context: list[int] | tuple[int, ...], vocab_size: int
+        self, params: SamplingParams, context: list[int] | tuple[int, ...], vocab_size: int,
+        constraint: LogitsConstraint | None = None,
     ):
         self.params = params
+        self.constraint = constraint  # applied before penalties; logprobs stay raw
         self._unseeded_rng = np.random.default_rng() if params.seed is None else None
         # Token counts over prompt + generated tokens, only when a penalty needs them.
         self._counts: np.ndarray | None = None
@@ -104,6 +116,8 @@ class TokenSampler:
 
     def sample(self, logits: np.ndarray, position: int) -> int:
         """The token at absolute ``position`` (= tokens before it) from its logits row."""
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if self._counts is not None:
             logits = apply_penalties(logits[: self._counts.size], self._counts, self.params)
         return sample_from_logits(logits, self.params, self._rng(position))
@@ -117,6 +131,8 @@ class TokenSampler:
         return None if top is None else token_logprobs(logits, token, top)
 
     def observe(self, token: int) -> None:
-        """Add a generated token to the penalty context."""
+        """Add a generated token to the penalty context (and the constraint's state)."""
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if self._counts is not None and 0 <= token < self._counts.size:
             self._counts[token] += 1

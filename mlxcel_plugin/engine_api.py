@@ -44,6 +44,11 @@ class SamplingParams:
     logprobs: int | None = None
     # ... and the prompt tokens' (positions 1..n-1), computed without prefix reuse.
     prompt_logprobs: int | None = None
+    # Constrained decoding (mlxcel_plugin/structured_output.py): the grammar spec's JSON
+    # text, and how many of the prompt's last tokens were generated under it (a request
+    # that migrated mid-stream): a node's fresh matcher consumes them first.
+    grammar: str | None = None
+    grammar_replay_tokens: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -58,6 +63,10 @@ class SamplingParams:
             del data["logprobs"]
         if data["prompt_logprobs"] is None:
             del data["prompt_logprobs"]
+        if data["grammar"] is None:
+            del data["grammar"]
+        if not data["grammar_replay_tokens"]:
+            del data["grammar_replay_tokens"]
         return data
 
     @classmethod
@@ -106,6 +115,7 @@ class ModelInfo:
     context_length: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    tokenizer_dir: str = ""  # holds tokenizer.json (engines/grammar.py); "": none known
 
 
 @dataclass

@@ -58,7 +58,12 @@ class MigrationLedger:
         """The request that continues the stream: prompt + streamed tokens, the budget left."""
         self.migrations += 1
         prompt = tuple(self.request.prompt_tokens) + tuple(self.generated)
-        return dataclasses.replace(self.request, prompt_tokens=prompt,
+        # A grammar's new matcher replays the streamed tokens (engines/grammar.py).
+        sampling = self.request.sampling
+        if sampling.grammar is not None:
+            replay = sampling.grammar_replay_tokens + len(self.generated)
+            sampling = dataclasses.replace(sampling, grammar_replay_tokens=replay)
+        return dataclasses.replace(self.request, prompt_tokens=prompt, sampling=sampling,
                                    max_tokens=self.remaining_tokens)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from mlxcel_plugin.engine_api import SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
+from mlxcel_plugin.structured_output import parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -197,16 +198,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise _bad("best_of", "only best_of=1 is supported")
     if body.get("suffix") is not None:
         raise _bad("suffix", "suffix is not supported")
-    _check_response_format(body.get("response_format"))
-
-
-def _check_response_format(value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise _bad("response_format", "expected an object with a 'type'")
-    if value["type"] != "text":
-        raise _bad("response_format", f"type {value['type']!r} is not supported; use 'text'")
 
 
 def _common(body: dict[str, Any], logprobs: int | None, *, echo: bool = False) -> CommonParams:
@@ -215,7 +206,8 @@ def _common(body: dict[str, Any], logprobs: int | None, *, echo: bool = False) -
     stream = _bool(body, "stream")
     _optional_str(body, "user")  # unused, but OpenAI refuses a non-string
     sampling = replace(_sampling(body), logprobs=logprobs,
-                       prompt_logprobs=logprobs if echo else None)
+                       prompt_logprobs=logprobs if echo else None,
+                       grammar=parse_response_format(body.get("response_format")))
     return CommonParams(
         model=_optional_str(body, "model"),
         max_tokens=_max_tokens(body, minimum=0 if echo else 1),  # echo: the prompt alone

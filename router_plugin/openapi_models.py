@@ -68,8 +68,16 @@ class StreamOptions(_Open):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Open):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema")
+    strict: bool | None = Field(None, description="refuse keywords that cannot be enforced")
+
+
 class ResponseFormat(_Open):
-    type: Literal["text"]
+    # Structured output: docs/structured-output.md
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
 
 
 class _Sampling(_Open):

@@ -26,6 +26,7 @@ from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec, kv_layer, parse_layers
 from mlxcel_plugin.kv_serde.messages import KVMessage
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
+from mlxcel_plugin.structured_output import MAX_GRAMMAR_CHARS
 
 SERDE_VERSION = 1  # a full handoff
 # A delta handoff (``prefix_tokens`` > 0): a receiver older than it refuses it at the begin
@@ -162,6 +163,10 @@ def _sampling_params_from_dict(data: Any) -> SamplingParams:
             values["top_k"] = f.get_int(data, "top_k", 0, 1 << 31)
         elif spec.name in ("logprobs", "prompt_logprobs"):
             values[spec.name] = f.get_int(data, spec.name, 0, MAX_TOP_LOGPROBS)
+        elif spec.name == "grammar":  # mlxcel_plugin/structured_output.py
+            values["grammar"] = f.get_str(data, "grammar", MAX_GRAMMAR_CHARS)
+        elif spec.name == "grammar_replay_tokens":
+            values[spec.name] = f.get_int(data, spec.name, 0, MAX_TOKENS)
         else:
             values[spec.name] = f.get_float(data, spec.name, -1e9, 1e9)
     return SamplingParams(**values)

@@ -21,7 +21,9 @@ from mlxcel_plugin.link.protocol.frames import (
 logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKEN_IDS = 1024
-_INT_FIELDS = frozenset({"top_k", "seed", "logprobs", "prompt_logprobs"})
+_INT_FIELDS = frozenset({"top_k", "seed", "logprobs", "prompt_logprobs",
+                         "grammar_replay_tokens"})
+_STR_FIELDS = frozenset({"grammar"})  # mlxcel_plugin/structured_output.py
 
 
 def sampling_params(data: Mapping[str, Any]) -> SamplingParams:
@@ -30,6 +32,12 @@ def sampling_params(data: Mapping[str, Any]) -> SamplingParams:
     for spec in fields(SamplingParams):
         value = data.get(spec.name)
         if value is None:
+            continue
+        if spec.name in _STR_FIELDS:
+            if not isinstance(value, str):
+                raise InvalidRequestError(f"sampling.{spec.name} must be a string",
+                                          param="sampling")
+            values[spec.name] = value
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequestError(f"sampling.{spec.name} must be a number", param="sampling")

@@ -276,7 +276,7 @@ async def test_bad_inputs_are_openai_errors_and_server_keeps_serving(
         (await chat(client, max_tokens=2.5), 400, "max_tokens"),
         (await chat(client, temperature="warm"), 400, "temperature"),
         (await chat(client, n=2), 400, "n"),
-        (await chat(client, response_format={"type": "json_object"}), 400, "response_format"),
+        (await chat(client, response_format={"type": "yaml"}), 400, "response_format"),
         (await chat(client, model="gpt-4"), 404, "model"),
         (await post("/v1/completions", json={"prompt": ""}), 400, "prompt"),
         (await post("/v1/completions", json={"prompt": [49152]}), 400, "prompt"),

@@ -115,7 +115,7 @@ def test_tool_choice_none_drops_tools() -> None:
         ("logprobs", {"logprobs": 1}),
         ("top_logprobs", {"logprobs": True, "top_logprobs": 21}),
         ("top_logprobs", {"top_logprobs": 1}),
-        ("response_format", {"response_format": {"type": "json_object"}}),
+        ("response_format", {"response_format": {"type": "yaml"}}),
         ("response_format", {"response_format": {"type": "json_schema", "json_schema": {}}}),
         ("response_format", {"response_format": "json"}),
         ("model", {"model": 3}),
@@ -131,6 +131,18 @@ def test_bad_chat_fields(param: str, extra: dict) -> None:
 
 def test_response_format_text_is_fine() -> None:
     parse_chat_request({"messages": USER, "response_format": {"type": "text"}})
+
+
+def test_response_format_json_becomes_the_grammar_spec() -> None:
+    # mlxcel_plugin/structured_output.py parses it (tests/mlxcel_plugin/test_structured_output.py)
+    plain = parse_chat_request({"messages": USER})
+    assert plain.common.sampling.grammar is None
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    chat = parse_chat_request({"messages": USER, "response_format": fmt})
+    assert '"json_schema"' in chat.common.sampling.grammar
+    completion = parse_completion_request({"prompt": "p",
+                                           "response_format": {"type": "json_object"}})
+    assert '"json_object"' in completion.common.sampling.grammar
 
 
 def test_completion_prompts() -> None:

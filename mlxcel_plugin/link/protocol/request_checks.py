@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxcel_plugin.link.protocol.frame_codec import MalformedFrame
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
+from mlxcel_plugin.structured_output import MAX_GRAMMAR_CHARS
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 TOKEN_ID_MAX = (1 << 32) - 1  # prompt ids travel as uint32; stop ids may not exceed them
@@ -37,7 +38,9 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
 INT_RANGES: dict[str, tuple[int, int]] = {
     "top_k": (0, INT64_MAX), "seed": (INT64_MIN, INT64_MAX),
     "logprobs": (0, MAX_TOP_LOGPROBS), "prompt_logprobs": (0, MAX_TOP_LOGPROBS),
+    "grammar_replay_tokens": (0, TOKEN_ID_MAX),
 }
+STR_LIMITS: dict[str, int] = {"grammar": MAX_GRAMMAR_CHARS}  # characters
 
 
 class FieldOutOfRange(MalformedFrame):
@@ -82,6 +85,9 @@ def check_sampling(sampling: Mapping[Any, Any]) -> None:
             check_float(f"sampling.{key}", value, *FLOAT_RANGES[key])
         elif key in INT_RANGES:
             check_int(f"sampling.{key}", value, *INT_RANGES[key])
+        elif key in STR_LIMITS and not (isinstance(value, str) and len(value) <= STR_LIMITS[key]):
+            raise FieldOutOfRange(f"frame header field 'sampling.{key}' must be a string of at "
+                                  f"most {STR_LIMITS[key]} characters")
 
 
 def check_request_id(request_id: str) -> None:
