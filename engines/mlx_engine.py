@@ -272,13 +272,13 @@ class MlxEngine:
             self._run_generate(job)
         else:
             self._run_prefill_only(job)
+        self._prefix.store_pending()  # off the first token's path (engines/prefix_cache.py)
+        self._fit_prefix_cache()
 
     def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
-        done = prefill_request(
+        return prefill_request(
             self.model, request, self._prefix, self.config, self.info, on_layer
         )
-        self._fit_prefix_cache()
-        return done
 
     def _run_generate(self, job: Generate) -> None:
         request = job.request

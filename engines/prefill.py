@@ -116,7 +116,7 @@ def prefill_request(
     if on_layer is not None:  # the prefill role: refuse what no decode node could take
         kv_convert.check_cache_kinds(caches)  # before computing anything
     logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer, collector)
-    prefix.store_prompt(prompt, caches)
+    prefix.store_prompt_later(prompt, caches)  # copied once the first token is out
     row = np.array(logits.astype(mx.float32))
     token = sampler.sample(row, len(prompt))
     sampler.observe(token)

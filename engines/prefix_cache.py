@@ -16,6 +16,13 @@ byte-identical to a cache-off run.
 
 Storage, lookup and LRU eviction are mlx-lm's ``LRUPromptCache`` (a token trie).
 
+Nothing here adds work before a request's first token that ``mlx_lm.server``
+does not do: a hit reads the entry in place (fresh caches over views of its
+arrays, copied once when the prefill first extends them, where mlx-lm
+deep-copies and then grows the copy); a prefill's own store is queued
+(``store_prompt_later``) and copied after its first token is out
+(``store_pending``); a finished sequence's caches are adopted, not copied.
+
 A decode node *pins* a stored prefix for a delta handoff (``pin``, from its
 event loop): the request holds references to the entry's arrays, so an
 eviction before the handoff completes cannot lose them; the engine splices
@@ -52,6 +59,21 @@ def full_chunk_tokens(prompt_len: int, chunk_size_tokens: int) -> int:
 def cacheable(caches: list[Any]) -> bool:
     """Only plain ``KVCache`` layers: rotating and recurrent state cannot be cut back exactly."""
     return all(type(c) is KVCache for c in caches)
+
+
+def reading(caches: list[Any], n_tokens: int) -> list[KVCache]:
+    """Fresh caches over the first ``n_tokens`` of ``caches``, sharing their memory.
+
+    The views are new array objects: extending one (``update_and_fetch``)
+    allocates a new buffer and copies the prefix into it, so the stored
+    entry is never written.
+    """
+    views = []
+    for cache in caches:
+        view = KVCache()
+        view.state = (cache.keys[..., :n_tokens, :], cache.values[..., :n_tokens, :], n_tokens)
+        views.append(view)
+    return views
 
 
 def compact_copy(caches: list[Any], n_tokens: int) -> list[KVCache]:
@@ -96,6 +118,7 @@ class PrefixCache:
         self._lru = LRUPromptCache(max_size=1 << 30)
         self._lock = threading.Lock()  # the LRU and the pins: pins come from other threads
         self._pins: dict[str, Pin] = {}
+        self._pending: list[tuple[tuple[int, ...], list[Any]]] = []  # engine thread only
         self._unlisted_pin_bytes = 0  # pinned entries the LRU dropped: still held
         self._hit_tokens = 0
         self._lookup_tokens = 0
@@ -123,16 +146,28 @@ class PrefixCache:
         """Caches holding the longest reusable prefix of ``tokens`` (at least one token is left)."""
         self._lookup_tokens += len(tokens)
         with self._lock:
-            caches, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, list(tokens))
-        if caches is None:
+            found = self._nearest(tokens)
+        if found is None:
             return Lookup(None, 0)
-        held = len(tokens) - len(rest)
+        held, caches = found
         usable = self._usable(len(tokens), held)
         if usable <= 0:
             return Lookup(None, 0)
-        trim_prompt_cache(caches, caches[0].offset - usable)
         self._hit_tokens += usable
-        return Lookup(caches, usable)
+        return Lookup(reading(caches, usable), usable)
+
+    def _nearest(self, tokens: tuple[int, ...]) -> tuple[int, list[Any]] | None:
+        """Under the lock: (tokens shared, caches) of the entry sharing most of ``tokens``."""
+        found = self._lru._trie.search(_MODEL_KEY, list(tokens))
+        if found.exact is not None:
+            return len(found.exact), self._lru._trie.get(_MODEL_KEY, found.exact).prompt_cache
+        shorter = len(found.shorter) if found.shorter is not None else 0
+        if found.longer is not None and found.common_prefix > shorter:
+            entry = self._lru._trie.get(_MODEL_KEY, found.longer)
+            return found.common_prefix, entry.prompt_cache
+        if shorter:
+            return shorter, self._lru._trie.get(_MODEL_KEY, found.shorter).prompt_cache
+        return None
 
     def _usable(self, prompt_len: int, held: int) -> int:
         if self.reuse_generated:
@@ -142,24 +177,51 @@ class PrefixCache:
 
     def store_prompt(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
         """Keep the full chunks a prefill just computed (call before decoding extends them)."""
-        n = full_chunk_tokens(len(tokens), self.chunk_size_tokens)
-        if self.reuse_generated:
-            n = len(tokens)  # any prefix is reusable in this mode
-        self._store(tokens[:n], caches)
+        self._store(tokens[: self._storable(tokens)], caches)
 
-    def store_finished(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
-        """``reuse_generated``: keep a finished sequence's prompt and reply."""
-        if self.reuse_generated:
+    def store_prompt_later(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+        """``store_prompt`` at the next ``store_pending``: once the first token is out.
+
+        Decoding only writes positions past the prompt, so the stored part
+        reads the same then.
+        """
+        if self.enabled:
+            self._pending.append((tokens[: self._storable(tokens)], caches))
+
+    def store_pending(self) -> None:
+        """Copy in what ``store_prompt_later`` queued (the engine loop, after emitting)."""
+        pending, self._pending = self._pending, []
+        for tokens, caches in pending:
             self._store(tokens, caches)
 
-    def _store(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+    def _storable(self, tokens: tuple[int, ...]) -> int:
+        if self.reuse_generated:
+            return len(tokens)  # any prefix is reusable in this mode
+        return full_chunk_tokens(len(tokens), self.chunk_size_tokens)
+
+    def store_finished(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+        """``reuse_generated``: keep a finished sequence's prompt and reply.
+
+        The caches are adopted, not copied: the caller hands over caches no
+        one else uses or extends (a finished sequence's own, or a batch
+        extract); their spare capacity counts in ``nbytes``.
+        """
+        if self.reuse_generated:
+            self._store(tokens, caches, adopt=True)
+
+    def _store(self, tokens: tuple[int, ...], caches: list[Any], adopt: bool = False) -> None:
         if not self.enabled or not tokens or not cacheable(caches):
             return
         if caches[0].offset < len(tokens):
             return  # the caches do not hold these tokens (nothing to key them by)
-        copies = compact_copy(caches, len(tokens))
+        if adopt:
+            trim_prompt_cache(caches, caches[0].offset - len(tokens))
+            mx.eval([(c.keys, c.values) for c in caches])  # no lazy graph left on a batch's buffer
+            entry = caches
+        else:
+            entry = compact_copy(caches, len(tokens))
         with self._lock:
-            self._lru.insert_cache(_MODEL_KEY, list(tokens), copies)
+            self._lru.insert_cache(_MODEL_KEY, list(tokens), entry)
             self._recount_pins()
         self.evict_to(self.max_bytes)
 

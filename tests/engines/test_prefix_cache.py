@@ -118,8 +118,8 @@ def test_a_tiny_budget_evicts_instead_of_growing(tiny_model_path):
     one_entry = 2 * 1024 * 1024  # the tiny model's KV of 1024 tokens is ~1 MiB
     eng = make_engine(tiny_model_path, one_entry)
     try:
-        for i in range(4):
-            support.generate(eng, GenerationRequest(f"e{i}", tokens(1100, seed=300 + i), 1))
+        for i in range(4):  # 2 tokens: the prompt is stored after the first is out
+            support.generate(eng, GenerationRequest(f"e{i}", tokens(1100, seed=300 + i), 2))
             assert eng.stats().prefix_cache.cached_bytes <= one_entry
         stats = eng.stats().prefix_cache
         assert stats.evictions >= 2 and stats.entries >= 1
