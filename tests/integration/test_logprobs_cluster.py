@@ -147,6 +147,7 @@ def lm_eval_scores(url: str, tokenizer: str, tasks_dir: Path) -> dict:
 
 def test_tiny_checkpoint_logprobs_and_lm_eval_scores_match_hybrid(
         tiny_model_path: Path, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("lm_eval")  # in the test extra
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))

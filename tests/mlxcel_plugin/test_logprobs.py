@@ -77,3 +77,14 @@ def test_sampling_params_leave_logprobs_out_of_their_dict_unless_asked() -> None
     assert "logprobs" not in SamplingParams().to_dict()
     asked = SamplingParams(logprobs=2, prompt_logprobs=0)
     assert SamplingParams.from_dict(asked.to_dict()) == asked
+
+
+@pytest.mark.parametrize("scale,top", [(0.01, 20), (1.0, 5), (30.0, 20), (1.0, 1)])
+def test_top_ids_are_exactly_a_full_sorts(scale: float, top: int) -> None:
+    rng = np.random.default_rng(int(scale * 100) + top)
+    rows = (rng.standard_normal((4, 5000)) * scale).astype(np.float32)
+    rows[1] = np.round(rows[1] * 2) / 2  # many ties at the cut
+    found = logprob_rows(rows, [0, 1, 2, 3], top)
+    for row, ids in zip(rows, found.top_ids, strict=True):
+        want = np.lexsort((np.arange(row.size), -row))[:top]
+        assert ids.tolist() == want.tolist()
