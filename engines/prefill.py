@@ -26,8 +26,14 @@ from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, ModelInfo
 from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
 
 LayerEvaluated = Callable[[int, Any], None]
-# (first position, lazy logits [1, n, vocab] of that forward): engines/prompt_logprobs.py
+# (first position, lazy logits [1, n, vocab] of a forward before it is evaluated), for
+# every forward but the last token's (which predicts the first generated token).
 ChunkLogits = Callable[[int, mx.array], None]
+
+
+def _ignore_logits(_start: int, _logits: mx.array) -> None:
+    pass  # MLX computes only what is evaluated: unread logits cost nothing
+FullChunksDone = Callable[[int], None]  # tokens done when the last full chunk is evaluated
 WARMUP_TOKENS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
@@ -37,7 +43,9 @@ def run_prefill(
     caches: list[Any],
     chunk_size_tokens: int,
     on_layer: LayerEvaluated | None = None,
-    on_logits: ChunkLogits | None = None,
+    on_logits: ChunkLogits = _ignore_logits,  # prompt logprobs (engines/prompt_logprobs.py)
+    held_tokens: int | None = None,
+    on_full_chunks: FullChunksDone | None = None,
 ) -> mx.array:
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
@@ -53,34 +61,33 @@ def run_prefill(
     later layers are still to be computed. Unlike mlx-lm's ``generate_step``
     nothing runs ahead: the caches hold exactly the prompt.
 
-    ``on_logits`` (prompt logprobs) sees every forward's logits before it is evaluated.
+    ``held_tokens``: how many tokens ``caches`` hold (None: read from a KV layer's
+    offset; an SSM-only model has none). ``on_full_chunks(n)`` runs once the
+    full chunks are evaluated, with the caches holding exactly ``n`` tokens
+    (where the prefix cache snapshots caches it cannot cut back).
     """
     if chunk_size_tokens < 1:
         raise ValueError(f"chunk_size_tokens must be >= 1, got {chunk_size_tokens}")
     prompt = mx.array(tokens, dtype=mx.uint32)[None]
-    start, total = _held_tokens(caches), prompt.shape[1]
+    start = _held_tokens(caches) if held_tokens is None else held_tokens
+    total = prompt.shape[1]
     if start >= total:
         raise ValueError(f"the caches hold {start} tokens; the prompt has only {total}")
-    report = on_logits or _ignore_logits
     while total - start > chunk_size_tokens:
-        report(start, model(prompt[:, start : start + chunk_size_tokens], cache=caches))
+        on_logits(start, model(prompt[:, start : start + chunk_size_tokens], cache=caches))
         mx.eval([c.state for c in caches])
         start += chunk_size_tokens
+    if on_full_chunks is not None:
+        on_full_chunks(start)
     if total - start > 1:
-        report(start, model(prompt[:, start : total - 1], cache=caches))
-    last = model(prompt[:, total - 1 :], cache=caches)
-    report(total - 1, last)
-    logits = last[0, -1, :]
+        on_logits(start, model(prompt[:, start : total - 1], cache=caches))
+    logits = model(prompt[:, total - 1 :], cache=caches)[0, -1, :]
     for i, cache in enumerate(caches):
         mx.eval(cache.state)
         if on_layer is not None:
             on_layer(i, cache)
     mx.eval(logits)
     return logits
-
-
-def _ignore_logits(_start: int, _logits: mx.array) -> None:
-    pass  # MLX computes only what is evaluated: unread logits cost nothing
 
 
 def _held_tokens(caches: list[Any]) -> int:
@@ -115,7 +122,9 @@ def prefill_request(
     caches = reused.caches if reused and reused.caches else make_prompt_cache(model)
     if on_layer is not None:  # the prefill role: refuse what no decode node could take
         kv_convert.check_cache_kinds(caches)  # before computing anything
-    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer, collector)
+    held = reused.reused_tokens if reused else 0
+    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer, collector,
+                         held, prefix.snapshot_hook(prompt, caches))
     prefix.store_prompt_later(prompt, caches)  # copied once the first token is out
     row = np.array(logits.astype(mx.float32))
     token = sampler.sample(row, len(prompt))

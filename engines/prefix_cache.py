@@ -14,6 +14,11 @@ reply, computed by decode steps) and reuses any prefix of it, like
 ``mlx_lm.server``: far fewer tokens to prefill on the next chat turn, but not
 byte-identical to a cache-off run.
 
+Caches that cannot be cut back (SSM ``ArraysCache``, ``RotatingKVCache``, models
+mixing them with attention) get exact-prefix *snapshots* instead, as mlx-lm
+keeps for them: the state right after a prefill's last full chunk, reused
+only by prompts that start with exactly those tokens (``snapshots``).
+
 Storage, lookup and LRU eviction are mlx-lm's ``LRUPromptCache`` (a token trie).
 
 Nothing here adds work before a request's first token that ``mlx_lm.server``
@@ -32,6 +37,7 @@ Pinned entries the LRU has dropped meanwhile still count in ``nbytes``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Sequence
@@ -59,6 +65,16 @@ def full_chunk_tokens(prompt_len: int, chunk_size_tokens: int) -> int:
 def cacheable(caches: list[Any]) -> bool:
     """Only plain ``KVCache`` layers: rotating and recurrent state cannot be cut back exactly."""
     return all(type(c) is KVCache for c in caches)
+
+
+def snapshot(caches: list[Any]) -> list[Any]:
+    """An independent copy of any caches' state, as mlx-lm's prompt cache takes one.
+
+    ``deepcopy`` gives new array objects over the same memory: the model
+    replaces SSM state arrays, and writing into a KV buffer a snapshot
+    shares makes MLX copy that buffer first, so the snapshot never changes.
+    """
+    return copy.deepcopy(caches)
 
 
 def reading(caches: list[Any], n_tokens: int) -> list[KVCache]:
@@ -111,10 +127,12 @@ class Pin:
 class PrefixCache:
     """A byte-bounded LRU of prompt KV for one model, on the engine thread (pins: any thread)."""
 
-    def __init__(self, max_bytes: int, chunk_size_tokens: int, reuse_generated: bool = False):
+    def __init__(self, max_bytes: int, chunk_size_tokens: int, reuse_generated: bool = False,
+                 snapshots: bool = False):
         self.max_bytes = max_bytes
         self.chunk_size_tokens = chunk_size_tokens
         self.reuse_generated = reuse_generated
+        self.snapshots = snapshots  # exact-prefix states only: the caches cannot be cut back
         self._lru = LRUPromptCache(max_size=1 << 30)
         self._lock = threading.Lock()  # the LRU and the pins: pins come from other threads
         self._pins: dict[str, Pin] = {}
@@ -126,13 +144,13 @@ class PrefixCache:
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig) -> PrefixCache:
-        """The engine's cache: inside its KV budget, off for models it cannot cut exactly."""
+        """The engine's cache, inside its KV budget; snapshots for caches it cannot cut back."""
         settings = config.prefix_cache
         max_bytes = min(settings.max_bytes, config.kv_memory_bytes)
-        if max_bytes > 0 and not cacheable(make_prompt_cache(model)):
-            log.info("prefix cache off: this model's caches are not all plain KVCache")
-            max_bytes = 0
-        return cls(max_bytes, config.chunk_size_tokens, settings.reuse_generated)
+        snapshots = not cacheable(make_prompt_cache(model))
+        if max_bytes > 0 and snapshots:
+            log.info("prefix cache: exact-prefix snapshots (caches that cannot be cut back)")
+        return cls(max_bytes, config.chunk_size_tokens, settings.reuse_generated, snapshots)
 
     @property
     def enabled(self) -> bool:
@@ -151,14 +169,18 @@ class PrefixCache:
             return Lookup(None, 0)
         held, caches = found
         usable = self._usable(len(tokens), held)
-        if usable <= 0:
-            return Lookup(None, 0)
+        if usable <= 0 or (self.snapshots and usable != held):
+            return Lookup(None, 0)  # a snapshot is used whole or not at all
         self._hit_tokens += usable
-        return Lookup(reading(caches, usable), usable)
+        return Lookup(snapshot(caches) if self.snapshots else reading(caches, usable), usable)
 
     def _nearest(self, tokens: tuple[int, ...]) -> tuple[int, list[Any]] | None:
         """Under the lock: (tokens shared, caches) of the entry sharing most of ``tokens``."""
         found = self._lru._trie.search(_MODEL_KEY, list(tokens))
+        if self.snapshots:  # only an entry that is a prefix of ``tokens`` holds their state
+            held = found.exact or found.shorter
+            return None if held is None else (len(held), self._lru._trie.get(_MODEL_KEY, held)
+                                              .prompt_cache)
         if found.exact is not None:
             return len(found.exact), self._lru._trie.get(_MODEL_KEY, found.exact).prompt_cache
         shorter = len(found.shorter) if found.shorter is not None else 0
@@ -177,7 +199,22 @@ class PrefixCache:
 
     def store_prompt(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
         """Keep the full chunks a prefill just computed (call before decoding extends them)."""
-        self._store(tokens[: self._storable(tokens)], caches)
+        if not self.snapshots or self.reuse_generated:  # a snapshot holds all it was fed
+            self._store(tokens[: self._storable(tokens)], caches)
+
+    def snapshot_hook(self, tokens: tuple[int, ...], caches: list[Any]) -> Any:
+        """For ``run_prefill``'s ``on_full_chunks``: snapshot the state at the last full chunk.
+
+        None unless this cache keeps snapshots (trimmable caches keep the
+        full chunks from the prompt's end state instead).
+        """
+        if not (self.enabled and self.snapshots):
+            return None
+
+        def at_boundary(done_tokens: int) -> None:
+            if done_tokens > 0:
+                self._insert(tokens[:done_tokens], snapshot(caches))
+        return at_boundary
 
     def store_prompt_later(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
         """``store_prompt`` at the next ``store_pending``: once the first token is out.
@@ -185,7 +222,7 @@ class PrefixCache:
         Decoding only writes positions past the prompt, so the stored part
         reads the same then.
         """
-        if self.enabled:
+        if self.enabled and (not self.snapshots or self.reuse_generated):
             self._pending.append((tokens[: self._storable(tokens)], caches))
 
     def store_pending(self) -> None:
@@ -210,9 +247,14 @@ class PrefixCache:
             self._store(tokens, caches, adopt=True)
 
     def _store(self, tokens: tuple[int, ...], caches: list[Any], adopt: bool = False) -> None:
-        if not self.enabled or not tokens or not cacheable(caches):
+        """Keep ``caches`` (holding exactly ``tokens``, or more if they can be cut back)."""
+        if not self.enabled or not tokens:
             return
-        if caches[0].offset < len(tokens):
+        if self.snapshots:  # the caller's caches hold exactly ``tokens``
+            mx.eval([c.state for c in caches])
+            self._insert(tokens, caches if adopt else snapshot(caches))
+            return
+        if not cacheable(caches) or caches[0].offset < len(tokens):
             return  # the caches do not hold these tokens (nothing to key them by)
         if adopt:
             trim_prompt_cache(caches, caches[0].offset - len(tokens))
@@ -220,6 +262,9 @@ class PrefixCache:
             entry = caches
         else:
             entry = compact_copy(caches, len(tokens))
+        self._insert(tokens, entry)
+
+    def _insert(self, tokens: tuple[int, ...], entry: list[Any]) -> None:
         with self._lock:
             self._lru.insert_cache(_MODEL_KEY, list(tokens), entry)
             self._recount_pins()
@@ -243,8 +288,8 @@ class PrefixCache:
         than the prompt's own full chunks (as ``lookup`` reuses), unless
         ``reuse_generated``. False when nothing stored holds it.
         """
-        if not self.enabled or not self._pinnable(len(tokens), prefix_tokens):
-            return False
+        if not self.enabled or self.snapshots or not self._pinnable(len(tokens), prefix_tokens):
+            return False  # a delta splices plain KVCache layers only
         prefix = tuple(tokens[:prefix_tokens])
         with self._lock:
             held = self._entry_holding(prefix)
@@ -301,5 +346,8 @@ class PrefixCache:
             cached_bytes=self._lru.nbytes,
             entries=len(self._lru),
             evictions=self._evictions,
-            capacity_bytes=self.max_bytes,
+            # A router trusts its guess of what a node holds (deltas, local prefills)
+            # only where this is > 0; snapshots are kept from the node's own prefills
+            # alone, not from handoffs, so that guess would be wrong.
+            capacity_bytes=0 if self.snapshots else self.max_bytes,
         )
