@@ -123,8 +123,8 @@ def prefill_request(
     if on_layer is not None:  # the prefill role: refuse what no decode node could take
         kv_convert.check_cache_kinds(caches)  # before computing anything
     held = reused.reused_tokens if reused else 0
-    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer, collector,
-                         held, prefix.snapshot_hook(prompt, caches))
+    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer,
+                         collector or _ignore_logits, held, prefix.snapshot_hook(prompt, caches))
     prefix.store_prompt_later(prompt, caches)  # copied once the first token is out
     row = np.array(logits.astype(mx.float32))
     token = sampler.sample(row, len(prompt))
