@@ -4,8 +4,8 @@
 it; a ``PromptLogprobsCollector`` evaluates the rows that predict a prompt token
 and keeps their logprobs (``mlxcel_plugin.logprobs.logprob_rows``), so hybrid and
 prefill roles compute them from the same chunks. The last position predicts the
-first generated token, not a prompt token: that forward is left to
-``run_prefill``, which streams its layers as before.
+first generated token, not a prompt token: ``run_prefill`` does not report
+that forward, and streams its layers as before.
 
 A prefix-cache hit skips the cached positions' forwards, and their logits with
 them, so a request that asks prompt logprobs prefills without reuse (exact, at
@@ -39,12 +39,12 @@ class PromptLogprobsCollector:
         width = int(logits.shape[1])
         self._next = start + width
         targets = self.tokens[start + 1 : start + width + 1]
-        if not targets:
-            return  # the last position: what it predicts is generated, not in the prompt
         rows = np.array(logits[0, : len(targets)].astype(mx.float32))
         self._parts.append(logprob_rows(rows, targets, self.top))
 
     def result(self) -> PromptLogprobs:
+        if self._next != len(self.tokens) - 1:
+            raise ValueError(f"prefill logits up to {self._next} of {len(self.tokens) - 1}")
         return PromptLogprobs.concatenate(self._parts, self.top)
 
 

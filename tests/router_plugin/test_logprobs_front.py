@@ -165,3 +165,26 @@ async def test_max_tokens_0_needs_echo(serve) -> None:
     client, _ = serve("x")
     r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+class OldNodes:
+    """A backend whose nodes predate logprobs: their events carry none."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    async def stream(self, request):
+        from mlxcel_plugin.engine_api import TokenEvent
+        yield [TokenEvent(request.request_id, 0, 300), TokenEvent(request.request_id, 1, EOS,
+                                                                 "stop")]
+
+
+async def test_nodes_without_logprobs_give_empty_ones_not_an_error(text_tokenizer) -> None:
+    app = make_app(OldNodes(), text_tokenizer, MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        chat = await c.post("/v1/chat/completions", json={"messages": USER, "logprobs": True})
+        echo = await c.post("/v1/completions", json={"prompt": "a b", "echo": True,
+                                                     "logprobs": 1})
+    assert chat.json()["choices"][0]["logprobs"] == {"content": []}
+    lp = echo.json()["choices"][0]["logprobs"]
+    assert set(lp["token_logprobs"]) == {None} and set(lp["top_logprobs"]) == {None}
