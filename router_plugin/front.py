@@ -47,7 +47,6 @@ from mlxcel_plugin.errors import (
 )
 from mlxcel_plugin.text import (
     CompletionPipeline,
-    FilterMarkers,
     StreamFilter,
     TextDelta,
     TextTokenizer,
@@ -115,7 +114,7 @@ class OpenAIFront:
         self.options = options or FrontOptions()
         self._off_loop = anyio.CapacityLimiter(OFF_LOOP_PLANS)
         self.body_limit = body_limit(self.options.max_request_bytes, self._max_prompt_chars())
-        self.markers = FilterMarkers().with_tool_openers(list(tokenizer.tool_token_ids().values()))
+        self.markers = tokenizer.filter_markers  # the model's tool markup (text/tool_parsers.py)
 
     # routes
 

@@ -30,7 +30,7 @@ from mlxcel_plugin.text.stream_filter import (
     StreamFilter,
 )
 from mlxcel_plugin.text.tokenizer import TextTokenizer
-from mlxcel_plugin.text.tool_calls import ToolCall, parse_tool_call
+from mlxcel_plugin.text.tool_calls import ToolCall
 
 FINISH_TOOL_CALLS = "tool_calls"
 
@@ -62,6 +62,7 @@ class CompletionPipeline:
         self._stops = StopStringMatcher(stop)
         self._filter = stream_filter
         self._parse_tools = parse_tools
+        self._tool_parser = tokenizer.tool_parser  # mlx-lm's or ours (tool_parsers.py)
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._max_tokens = max_tokens
         self._tool_body = ""
@@ -135,9 +136,9 @@ class CompletionPipeline:
 
     def _end_tool_call(self, delta: TextDelta) -> None:
         body, self._tool_body = self._tool_body.strip(), ""
-        call = parse_tool_call(body, len(self.tool_calls)) if self._parse_tools else None
-        if call is None:
+        calls = self._tool_parser.calls(body, len(self.tool_calls)) if self._parse_tools else None
+        if calls is None:
             delta.content += body  # not a call we can return: its text, without the markup
             return
-        self.tool_calls.append(call)
-        delta.tool_calls.append(call)
+        self.tool_calls += calls
+        delta.tool_calls += calls

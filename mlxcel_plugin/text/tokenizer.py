@@ -7,6 +7,7 @@ template, tokenize and detokenize without model weights.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -15,6 +16,10 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from mlxcel_plugin.errors import ConfigError, InvalidRequestError
+from mlxcel_plugin.text.chat_turns import TemplateSupport, template_messages
+from mlxcel_plugin.text.tool_parsers import template_of, tool_parser_for
+
+log = logging.getLogger(__name__)
 
 # Config keys that name the context window, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -55,7 +60,14 @@ class TextTokenizer:
         self.vocab_size = len(hf_tokenizer)
         # get_vocab() copies the whole vocabulary: look the tool tokens up once.
         vocab = hf_tokenizer.get_vocab()
-        self._tool_tokens = {vocab[t]: t for t in KNOWN_TOOL_TOKENS if t in vocab}
+        self.tool_parser = tool_parser_for(hf_tokenizer)  # mlx-lm's for its families, else ours
+        markup = (*KNOWN_TOOL_TOKENS, self.tool_parser.start, self.tool_parser.end)
+        self._tool_tokens = {vocab[t]: t for t in markup if t and t in vocab}
+        # The stream filter's markers: the parser's pair, ours, lone tool tokens.
+        self.filter_markers = self.tool_parser.markers(
+            tuple(t for t in KNOWN_TOOL_TOKENS if t in vocab))
+        self.template_support = TemplateSupport.of(template_of(hf_tokenizer))
+        self._reported_ignored_tools = False
         self._decode_ids = _fast_decoder(hf_tokenizer)
         self._encode_text = _fast_encoder(hf_tokenizer)
         self._encode_text_in_thread = _gil_free_encoder(hf_tokenizer, self._encode_text)
@@ -142,9 +154,12 @@ class TextTokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages``, ending with the assistant generation prompt."""
+        if tools and not self.template_support.tools and not self._reported_ignored_tools:
+            self._reported_ignored_tools = True  # once: every tool request would say it again
+            log.warning("the chat template ignores 'tools': the model is not told about them")
         try:
             text = self.hf.apply_chat_template(
-                messages,
+                template_messages(messages, self.template_support),
                 tools=tools,
                 add_generation_prompt=True,
                 tokenize=False,

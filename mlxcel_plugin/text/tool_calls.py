@@ -39,6 +39,10 @@ def parse_tool_call(body: str, index: int) -> ToolCall | None:
         data = data[0]  # Mistral-style [TOOL_CALLS][{...}]
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
-    args = data.get("arguments", data.get("parameters", {}))
+    return tool_call(index, data["name"], data.get("arguments", data.get("parameters", {})))
+
+
+def tool_call(index: int, name: str, args: Any) -> ToolCall:
+    """A call with its arguments as JSON text (text arguments are kept as they came)."""
     arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ToolCall(index, _call_id(index, data["name"], arguments), data["name"], arguments)
+    return ToolCall(index, _call_id(index, name, arguments), name, arguments)
