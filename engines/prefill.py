@@ -61,10 +61,9 @@ def run_prefill(
     later layers are still to be computed. Unlike mlx-lm's ``generate_step``
     nothing runs ahead: the caches hold exactly the prompt.
 
-    ``held_tokens``: how many tokens ``caches`` hold (None: read from a KV layer's
-    offset; an SSM-only model has none). ``on_full_chunks(n)`` runs once the
-    full chunks are evaluated, with the caches holding exactly ``n`` tokens
-    (where the prefix cache snapshots caches it cannot cut back).
+    ``held_tokens``: how many tokens ``caches`` hold (None: read from a KV layer's offset;
+    an SSM-only model has none). ``on_full_chunks(n)`` runs once the full chunks are
+    evaluated, the caches holding exactly ``n`` tokens (the prefix cache snapshots there).
     """
     if chunk_size_tokens < 1:
         raise ValueError(f"chunk_size_tokens must be >= 1, got {chunk_size_tokens}")
