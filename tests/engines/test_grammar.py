@@ -168,3 +168,32 @@ def test_masked_logits_keep_only_allowed_tokens(engine) -> None:
 def test_no_grammar_no_constraint(engine) -> None:
     plain = GenerationRequest("p", (5, 6, 7), 4)
     assert request_constraint(plain, engine.info) is None
+
+
+class OnlyToken:
+    """A stand-in constraint: one token allowed; records what it was told."""
+
+    def __init__(self, token: int):
+        self.token, self.seen = token, []
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        out = np.full_like(logits, -np.inf)
+        out[self.token] = logits[self.token]
+        return out
+
+    def advance(self, token: int) -> None:
+        self.seen.append(token)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED,
+                                    SamplingParams(repetition_penalty=1.3, top_k=5)])
+def test_the_sampler_samples_only_what_its_constraint_allows(params) -> None:
+    from engines.sampling import TokenSampler
+
+    constraint = OnlyToken(7)
+    sampler = TokenSampler(dataclasses.replace(params, logprobs=2), [7, 7, 1], 50, constraint)
+    row = np.random.default_rng(0).standard_normal(50).astype(np.float32)
+    token = sampler.sample(row, 3)
+    sampler.observe(token)
+    assert token == 7 and constraint.seen == [7]
+    assert sampler.logprobs(row, token).top_ids[0] == int(np.argmax(row))  # raw, not masked
