@@ -193,7 +193,7 @@ class OpenAIFront:
         )
         return self._completion(
             responses.CHAT, prompt, params.common, arrival_s,
-            stream_filter=stream_filter, parse_tools=params.tools is not None,
+            stream_filter=stream_filter, parse_tools=params.tools is not None, tools=params.tools,
         )  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
@@ -250,6 +250,7 @@ class OpenAIFront:
         *,
         stream_filter: StreamFilter | None = None,
         parse_tools: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
         param = "messages" if kind == responses.CHAT else "prompt"
         max_tokens = self._max_tokens(len(prompt), common.max_tokens, param)
@@ -267,7 +268,7 @@ class OpenAIFront:
         )
         pipeline = CompletionPipeline(
             self.tokenizer, max_tokens=max_tokens, stop=common.stop,
-            stream_filter=stream_filter, parse_tools=parse_tools,
+            stream_filter=stream_filter, parse_tools=parse_tools, tools=tools,
         )  # fmt: skip
         return Completion(
             meta, request, pipeline, stream=common.stream, include_usage=common.include_usage,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
@@ -56,6 +57,7 @@ class CompletionPipeline:
         stop: Sequence[str] = (),
         stream_filter: StreamFilter | None = None,
         parse_tools: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,  # typing the arguments (mlx-lm parsers)
     ):
         kept = tokenizer.tool_token_ids() if stream_filter is not None else {}
         self._detok = IncrementalDetokenizer(tokenizer.decode, kept, tokenizer.piece)
@@ -63,6 +65,7 @@ class CompletionPipeline:
         self._filter = stream_filter
         self._parse_tools = parse_tools
         self._tool_parser = tokenizer.tool_parser  # mlx-lm's or ours (tool_parsers.py)
+        self._tools = tools
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._max_tokens = max_tokens
         self._tool_body = ""
@@ -136,7 +139,8 @@ class CompletionPipeline:
 
     def _end_tool_call(self, delta: TextDelta) -> None:
         body, self._tool_body = self._tool_body.strip(), ""
-        calls = self._tool_parser.calls(body, len(self.tool_calls)) if self._parse_tools else None
+        calls = (self._tool_parser.calls(body, len(self.tool_calls), self._tools)
+                 if self._parse_tools else None)
         if calls is None:
             delta.content += body  # not a call we can return: its text, without the markup
             return

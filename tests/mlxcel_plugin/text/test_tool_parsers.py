@@ -61,9 +61,9 @@ def tokenizer_with_template(root: Path, source: Path, template: str) -> TextToke
     return TextTokenizer.from_dir(root)
 
 
-def parsed(tokenizer: TextTokenizer, text: str) -> tuple[list, str, str]:
+def parsed(tokenizer: TextTokenizer, text: str, tools=None) -> tuple[list, str, str]:
     """(calls as (name, arguments), content, finish) of ``text`` as generated output."""
-    pipeline = CompletionPipeline(tokenizer, max_tokens=200, parse_tools=True,
+    pipeline = CompletionPipeline(tokenizer, max_tokens=200, parse_tools=True, tools=tools,
                                   stream_filter=StreamFilter(tokenizer.filter_markers))
     ids = tokenizer.encode(text, add_special_tokens=False)
     content, calls = "", []
@@ -152,3 +152,14 @@ def test_loading_mlx_lm_parsers_imports_no_mlx() -> None:
             "loaded = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]\n"
             "assert not loaded, loaded\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_the_requests_tools_type_the_arguments(tmp_path, tokenizer_dir) -> None:
+    tokenizer = tokenizer_with_template(tmp_path / "typed", Path(tokenizer_dir),
+                                        TEMPLATES["qwen3_coder"])
+    forecast = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer"}}}}}
+    text = "<tool_call>\n<function=forecast>\n<parameter=days>\n3\n</parameter>\n</function>\n" \
+           "</tool_call>"
+    assert parsed(tokenizer, text)[0] == [("forecast", {"days": "3"})]
+    assert parsed(tokenizer, text, [forecast])[0] == [("forecast", {"days": 3})]
