@@ -175,3 +175,13 @@ def test_summary_tables_cover_every_server(quick_result: dict):
     assert len(throughput["rows"]) == len(SERVERS) * len(WORKLOADS)
     assert all(row[2] == QUICK_CONVERSATIONS * QUICK_TURNS for row in throughput["rows"])
     assert titles["Targets (issue 17)"]["rows"], "no target rows"
+
+
+def test_a_server_with_its_own_chunk_size_writes_it_in_its_node_config(tmp_path: Path):
+    from bench_multiturn import SERVERS as SPECS  # noqa: E402 (loadtests/ is on sys.path)
+
+    flag, path = SPECS["hybrid-on-c32"].node_args(tmp_path)
+    sections = tomllib.loads(Path(path).read_text())
+    assert flag == "--distributed-config"
+    assert sections == {"prefill_scheduler": {"chunk_size_tokens": 32}}
+    assert SPECS["hybrid-on"].node_args(tmp_path) == []
