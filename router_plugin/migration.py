@@ -63,6 +63,8 @@ class MigrationLedger:
         if sampling.grammar is not None:
             replay = sampling.grammar_replay_tokens + len(self.generated)
             sampling = dataclasses.replace(sampling, grammar_replay_tokens=replay)
+        if sampling.prompt_logprobs is not None:  # sent with the first token already
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         return dataclasses.replace(self.request, prompt_tokens=prompt, sampling=sampling,
                                    max_tokens=self.remaining_tokens)
 

@@ -36,6 +36,15 @@ def test_the_next_request_continues_the_prompt_with_the_budget_left():
     assert ledger.migrations == 2 and not ledger.can_migrate
 
 
+def test_a_moved_request_does_not_ask_for_prompt_logprobs_again():
+    """They came with the first token; the new prefill would recompute them uncached."""
+    asked = GenerationRequest("r", (5, 6, 7), 10, SamplingParams(logprobs=2, prompt_logprobs=2))
+    ledger = MigrationLedger(asked)
+    ledger.record((40,))
+    moved = ledger.next_request()
+    assert moved.sampling.prompt_logprobs is None and moved.sampling.logprobs == 2
+
+
 def test_no_migration_without_budget_or_with_a_zero_limit():
     spent = MigrationLedger(SEEDED)
     spent.record(range(10))
