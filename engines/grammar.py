@@ -28,6 +28,7 @@ from mlxcel_plugin.structured_output import GrammarSpec
 
 log = logging.getLogger(__name__)
 _MASK_WORD_BITS = 32
+_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf; 0 is 0.0
 
 
 @functools.lru_cache(maxsize=4)
@@ -52,25 +53,36 @@ class GrammarConstraint:
         self.stop_ids = frozenset(self._stop_ids.tolist())
         self._words = np.zeros((vocab_size + _MASK_WORD_BITS - 1) // _MASK_WORD_BITS, np.int32)
 
-    def allowed(self) -> np.ndarray:
-        """A boolean row: the tokens the grammar lets come next (stop tokens when it accepts)."""
+    def bias(self) -> np.ndarray:
+        """A float32 row: 0 where the grammar lets a token come next, -inf where it refuses.
+
+        Stop tokens get 0 once the grammar accepts. Built from -inf's bit pattern
+        and added to the logits: vectorized, where ``np.where`` over a boolean
+        row of the vocabulary is about twice as slow.
+        """
         matcher = self._matcher
         if matcher.is_stopped() or matcher.is_error():
-            allowed = np.zeros(self._vocab_size, dtype=bool)
+            refused = np.ones(self._vocab_size, dtype=np.uint8)
         else:
             matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-            bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
-            allowed = bits[: self._vocab_size].astype(bool)
+            refused = np.unpackbits((~self._words).view(np.uint8), bitorder="little")
+        bias = (refused[: self._vocab_size].astype(np.uint32) * _NEG_INF_BITS).view(np.float32)
         if matcher.is_accepting() or matcher.is_stopped() or matcher.is_error():
-            allowed[self._stop_ids] = True
-        return allowed
+            bias[self._stop_ids] = 0.0
+        return bias
+
+    def allowed(self) -> np.ndarray:
+        """A boolean row: the tokens that may come next."""
+        return self.bias() == 0.0
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` with every token the grammar refuses at -inf (a new row)."""
-        allowed = self.allowed()
-        width = min(logits.size, allowed.size)
-        out = np.full_like(logits, -np.inf)
-        out[:width] = np.where(allowed[:width], logits[:width], -np.inf)
+        bias = self.bias()
+        if logits.size == bias.size:
+            return logits + bias
+        out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
+        width = min(logits.size, bias.size)
+        out[:width] = logits[:width] + bias[:width]
         return out
 
     def advance(self, token: int) -> None:
@@ -80,10 +92,6 @@ class GrammarConstraint:
         if not self._matcher.consume_token(token):
             # Only a token outside the mask gets here: report it; the stop tokens end it.
             log.warning("grammar refused token %d: %s", token, self._matcher.get_error())
-
-    @property
-    def is_error(self) -> bool:
-        return self._matcher.is_error()
 
 
 def request_constraint(
