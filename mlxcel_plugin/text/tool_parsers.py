@@ -1,8 +1,9 @@
 """Tool-call parsers: mlx-lm's for the model families it covers, ours where it has none.
 
 mlx-lm picks a parser (``mlx_lm/tool_parsers/<name>.py``) from the
-tokenizer config's ``tool_parser_type``, else from the chat template's
-markup, else from the vocabulary; we ask it the same way. A template it
+tokenizer config's ``tool_parser_type``, else from its model module's
+``TOKENIZER_DEFAULTS`` (by ``model_type``), else from the chat template's
+markup, else from the vocabulary; we pick the same way. A template it
 does not recognise (the embedded SmolLM2's, Hermes/Qwen JSON in
 ``<tool_call>``) gets ours (``tool_calls.py``).
 
@@ -11,15 +12,17 @@ the ``mlx_lm`` package imports MLX. Its parser modules, and the module that
 infers which one applies, import neither MLX nor anything of mlx-lm's but
 each other (json, regex, ast, transformers), so they are loaded here from
 mlx-lm's installed files under a private package name, without running
-``mlx_lm/__init__.py``; tests/mlxcel_plugin/text/test_tool_parsers.py checks
-that MLX stays unimported.
+``mlx_lm/__init__.py``; a model module (which imports MLX) is only parsed.
+tests/mlxcel_plugin/text/test_tool_parsers.py checks that MLX stays unimported.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -80,7 +83,7 @@ OURS_PARSER = ToolParser(OURS, TOOL_OPEN, TOOL_CLOSE)
 def tool_parser_for(hf_tokenizer: Any) -> ToolParser:
     """The parser mlx-lm would pick for this tokenizer, else ours."""
     config = getattr(hf_tokenizer, "init_kwargs", None) or {}
-    name = config.get("tool_parser_type")
+    name = config.get("tool_parser_type") or _model_type_default(hf_tokenizer)
     try:
         if name is None:
             infer = _mlx_lm_inference()
@@ -93,6 +96,27 @@ def tool_parser_for(hf_tokenizer: Any) -> ToolParser:
         return OURS_PARSER
     end = module.tool_call_end or None
     return ToolParser(name, module.tool_call_start, end, module.parse_tool_call)
+
+
+def _model_type_default(hf_tokenizer: Any) -> str | None:
+    """``TOKENIZER_DEFAULTS["tool_parser_type"]`` of mlx-lm's module for this model type."""
+    checkpoint = Path(str(getattr(hf_tokenizer, "name_or_path", "") or "."))
+    try:
+        model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+    root = _mlx_lm_dir()
+    if not isinstance(model_type, str) or not model_type.isidentifier() or root is None:
+        return None
+    source = root / "models" / f"{model_type}.py"
+    if not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:  # parsed, never imported: it imports MLX
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == "TOKENIZER_DEFAULTS" for t in targets):
+            defaults = ast.literal_eval(node.value)
+            return defaults.get("tool_parser_type") if isinstance(defaults, dict) else None
+    return None
 
 
 def _mlx_lm_dir() -> Path | None:

@@ -163,3 +163,12 @@ def test_the_requests_tools_type_the_arguments(tmp_path, tokenizer_dir) -> None:
            "</tool_call>"
     assert parsed(tokenizer, text)[0] == [("forecast", {"days": "3"})]
     assert parsed(tokenizer, text, [forecast])[0] == [("forecast", {"days": 3})]
+
+
+def test_mlx_lm_model_type_defaults_pick_the_parser(tmp_path, tokenizer_dir) -> None:
+    root = tmp_path / "muse"
+    tokenizer_with_template(root, Path(tokenizer_dir), LOOP)
+    (root / "config.json").write_text(json.dumps({"model_type": "muse_spark"}))
+    assert TextTokenizer.from_dir(root).tool_parser.name == "muse_spark"
+    (root / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no defaults
+    assert TextTokenizer.from_dir(root).tool_parser.name == OURS
