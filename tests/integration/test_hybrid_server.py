@@ -184,7 +184,7 @@ BAD_CHAT = [
     ({"messages": MESSAGES, "max_tokens": "ten"}, 400),
     ({"messages": MESSAGES, "temperature": "hot"}, 400),
     ({"messages": MESSAGES, "n": 2}, 400),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {}}}, 400),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400),
     ({"messages": MESSAGES, "model": "no-such-model"}, 404),
