@@ -76,6 +76,7 @@ def keep_freed_buffers(kv_memory_bytes: int) -> int:
     every handed-off cache (``adopt_layer``) lands in memory fresh from the OS
     and page-faults as it is copied: 256 MiB took ~95 ms to copy into MLX, ~15 ms
     into reused buffers (bench_kv_handoff, 2 cores). Only ever raises the limit.
+    The engine bounds it lower, to a few handoffs' worth (engines/engine_memory.py).
     """
     previous = mx.set_cache_limit(kv_memory_bytes)
     if previous > kv_memory_bytes:
