@@ -23,7 +23,6 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.kv_quant import mergeable
-from engines.kv_quant import mergeable
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EmitToken, GenerationRequest
 from mlxcel_plugin.logprobs import TokenLogprobs
@@ -222,8 +221,6 @@ class DecodeBatch:
         for sequence, own in zip(sequences, caches, strict=True):
             n = cached_tokens(own)
             target = self._pick_group(lengths, n, sequence.steps_left)
-            if not mergeable(own):  # quantized K/V have no batch form: a group of its own
-                target = len(lengths)
             if not mergeable(own):  # quantized K/V have no batch form: a group of its own
                 target = len(lengths)
             if target == len(lengths):
