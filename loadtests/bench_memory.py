@@ -31,6 +31,7 @@ from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_
 from mlxcel_plugin.testing.link_driver import LinkDriver  # noqa: E402
 
 MIB = 1 << 20
+TRANSFER_TIMEOUT_S = 600
 
 
 def rss_bytes(node: NodeProcess) -> int:
@@ -44,8 +45,11 @@ def start(workdir: Path, args: argparse.Namespace,
     secret_path = workdir / "cluster.secret"
     generate_secret_file(secret_path)
     model = args.model or str(workdir)
+    # Prefills queue behind each other on a loaded machine: a claim waits for its KV that long.
+    settings = workdir / "bench.toml"
+    settings.write_text(f"[transfer]\ntransfer_timeout_s = {TRANSFER_TIMEOUT_S}\n")
     common = ["--cluster-secret-file", str(secret_path), "--engine", args.engine,
-              "--model", model]
+              "--model", model, "--distributed-config", str(settings)]
     nodes = {}
     for role in roles:
         bind = None if role == "hybrid" else f"{LOOPBACK}:{free_port()}"
@@ -69,6 +73,8 @@ async def load(nodes: dict[str, NodeProcess], secret_path: Path, args: argparse.
         async def one(i: int) -> bool:
             async with gate:
                 outcome = await driver.generate(f"m{i}", prompt, args.max_tokens, timeout_s=300)
+                if not outcome.ok:
+                    print(f"request m{i} failed: {outcome.error_code} {outcome.error}", flush=True)
                 return outcome.ok
 
         done = await _sampled(nodes, samples, [one(i) for i in range(args.requests)])
@@ -104,10 +110,13 @@ async def load_http(nodes: dict[str, NodeProcess], args: argparse.Namespace,
                                  timeout=300) as client:
 
         async def one(i: int) -> bool:
-            body = {"model": "m", "prompt": prompt, "max_tokens": args.max_tokens,
+            body = {"prompt": prompt, "max_tokens": args.max_tokens,
                     "temperature": 0}
             async with gate:
                 response = await client.post("/v1/completions", json=body)
+                if response.status_code != 200:
+                    print(f"request {i} failed: {response.status_code} {response.text[:200]}",
+                          flush=True)
                 return response.status_code == 200
 
         return await _sampled(nodes, samples, [one(i) for i in range(args.requests)])
