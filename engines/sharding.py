@@ -15,7 +15,9 @@ per rank; ``MLX_RANK``: this process's index), exactly as ``mlx.launch`` sets it
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +27,7 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import ConfigError, HandoffError
 
+log = logging.getLogger(__name__)
 HOSTFILE_ENV = "MLX_HOSTFILE"
 RANK_ENV = "MLX_RANK"
 HEAD_AXIS = 1  # K/V are [1, kv_heads, tokens, head_dim]
@@ -32,6 +35,9 @@ HEAD_AXIS = 1  # K/V are [1, kv_heads, tokens, head_dim]
 # longer one takes a second. Each collective costs ~2 ms on two loaded loopback cores.
 FRAME_BYTES = 1024
 _LENGTH_BYTES = 8
+# mlx gives up connecting to a rank after ~30 s; ranks may start minutes apart (a
+# large model loading, hosts started by hand), so joining is retried this long.
+RING_JOIN_TIMEOUT_S = 600.0
 
 
 def ring_group_from_env(env: Mapping[str, str] | None = None) -> mx.distributed.Group | None:
@@ -42,8 +48,16 @@ def ring_group_from_env(env: Mapping[str, str] | None = None) -> mx.distributed.
     env = os.environ if env is None else env
     if not env.get(HOSTFILE_ENV):
         return None
-    group = mx.distributed.init(strict=True, backend="ring")
-    return group if group.size() > 1 else None
+    deadline = time.monotonic() + RING_JOIN_TIMEOUT_S
+    while True:
+        try:
+            group = mx.distributed.init(strict=True, backend="ring")
+        except RuntimeError as exc:  # "[ring] Couldn't connect": a rank not listening yet
+            if "connect" not in str(exc) or time.monotonic() > deadline:
+                raise
+            log.info("shard ring: waiting for the other ranks (%s)", exc)
+            continue
+        return group if group.size() > 1 else None
 
 
 def _sum(group: mx.distributed.Group, x: mx.array) -> mx.array:

@@ -49,7 +49,7 @@ def follower_argv(model: str, parent_pid: int | None = None) -> list[str]:
 _stopping = threading.Event()
 
 
-def _exit_when_any_fails(followers: list[subprocess.Popen]) -> None:
+def exit_when_any_fails(followers: list[subprocess.Popen]) -> list[threading.Thread]:
     """A follower exits 0 only after the engine's STOP; any other end leaves rank 0 stuck."""
 
     def watch(follower: subprocess.Popen) -> None:
@@ -59,8 +59,10 @@ def _exit_when_any_fails(followers: list[subprocess.Popen]) -> None:
                       follower.args, code)
             os._exit(1)  # the engine thread may be blocked in a collective for good
 
-    for follower in followers:
-        threading.Thread(target=watch, args=(follower,), daemon=True).start()
+    watchers = [threading.Thread(target=watch, args=(f,), daemon=True) for f in followers]
+    for watcher in watchers:
+        watcher.start()
+    return watchers
 
 
 def _stop_followers(followers: list[subprocess.Popen]) -> None:
@@ -84,7 +86,7 @@ def start_local_ranks(config: ServerConfig) -> list[subprocess.Popen]:
         followers.append(subprocess.Popen(follower_argv(config.model, os.getpid()), env=env))
     os.environ[HOSTFILE_ENV], os.environ[RANK_ENV] = str(hostfile), "0"
     atexit.register(_stop_followers, followers)
-    _exit_when_any_fails(followers)
+    exit_when_any_fails(followers)
     log.info("sharded over %d local ranks (ring %s)", config.shard_ranks, hostfile)
     return followers
 

@@ -39,6 +39,31 @@ def together(engine, reqs: list[GenerationRequest]) -> list[list[int]]:
     return [sink.wait() and sink.tokens for sink in events]
 
 
+class FailingConsumer(support.Events):
+    """Raises on its third token: rank 0 must cancel it on every rank, not drop it alone."""
+
+    def __call__(self, event) -> None:
+        super().__call__(event)
+        if len(self.events) == 3:
+            raise RuntimeError("consumer gone")
+
+
+def ranks_stay_in_step(engine) -> list[list[int]]:
+    """A consumer that fails and a request cancelled mid-decode, beside ones that finish."""
+    failing, cancelled, after = FailingConsumer(), support.Events(), support.Events()
+    long = GenerationRequest("c-long", tuple(PROMPTS[0]), 400)
+    engine.generate(GenerationRequest("c-fail", tuple(PROMPTS[0]), 400), failing)
+    engine.generate(long, cancelled)
+    while len(cancelled.events) < 4:
+        cancelled.done.wait(0.01)
+    engine.cancel(long.request_id)
+    cancelled.wait()
+    while engine.stats().active_sequences:  # the failed consumer's cancel went through
+        failing.done.wait(0.01)
+    engine.generate(requests("c")[2], after)
+    return [after.wait() and after.tokens, [cancelled.last.finish_reason]]
+
+
 def max_kv_gap(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x.keys, np.float32) - np.asarray(y.keys,
                                                                               np.float32))))
@@ -61,6 +86,7 @@ def main() -> None:
                                    for r in requests("sp")]
         out["plain_to_sharded"] = [support.decode_after(sharded, r, support.prefill(plain, r))
                                    for r in requests("ps")]
+        out["in_step_after_cancels"] = ranks_stay_in_step(sharded)
         probe = requests("k")[1]
         out["kv_max_abs_gap"] = max_kv_gap(support.prefill(plain, probe),
                                            support.prefill(sharded, probe))

@@ -62,6 +62,13 @@ def test_tokens_are_the_unsharded_engine_s(ranks_run, run: str):
     assert out[run] == out["plain"]
 
 
+def test_a_failing_consumer_and_a_cancel_keep_the_ranks_in_step(ranks_run):
+    out, _ = ranks_run
+    after, (reason,) = out["in_step_after_cancels"]
+    assert reason == "cancelled"
+    assert after == out["plain"][2]  # a forward out of step would garble or hang this
+
+
 def test_gathered_kv_differs_only_by_rounding(ranks_run):
     out, _ = ranks_run
     assert out["kv_max_abs_gap"] < KV_TOLERANCE

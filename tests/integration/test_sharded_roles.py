@@ -1,4 +1,6 @@
-"""A prefill node sharded over 2 local ranks hands off to an unsharded decode node.
+"""Sharded nodes as users start them: a sharded prefill node, ranks from a hostfile.
+
+A prefill node sharded over 2 local ranks hands off to an unsharded decode node.
 
 Real processes (``--shard-ranks 2``: rank 1 is the node's child), compared with
 an unsharded hybrid node's answers: the handoff carries whole K/V (gathered
@@ -9,6 +11,7 @@ exactly is guaranteed: tests/engines/test_sharding_ranks.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -19,6 +22,7 @@ import pytest
 
 from mlxcel_plugin.link import generate_secret_file
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port, start_node
+from mlxcel_plugin.shard_ranks import write_loopback_hostfile
 
 pytestmark = pytest.mark.timeout(600)
 STARTUP_TIMEOUT_S = 180
@@ -116,3 +120,26 @@ def test_a_sharded_prefill_node_hands_off_to_an_unsharded_decode_node(tiny_model
     assert handed_off == len(CASES)
     assert statuses[-1] == 0, prefill.log_tail()
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # no rank left behind
+
+
+def test_ranks_from_a_hostfile_and_a_lost_rank_ends_the_node(tiny_model_path, tmp_path: Path):
+    """The multi-host form on loopback: each rank is ``mlxcel-server`` with its ``--shard-rank``."""
+    hostfile = write_loopback_hostfile(2, tmp_path)
+    args = ["--model", str(tiny_model_path), "--served-model-name", MODEL, "--no-warmup",
+            "--shard-hostfile", str(hostfile)]
+    rank1 = start_node("hybrid", tmp_path, [*args, "--shard-rank", "1"], name="rank1")
+    node = start_node("hybrid", tmp_path, [*args, "--shard-rank", "0"])
+    try:
+        node.wait_healthy(STARTUP_TIMEOUT_S)
+        assert len(answers(node.url)) == len(CASES)  # served across both ranks
+        rank1.process.kill()
+        rank1.process.wait()
+        with contextlib.suppress(httpx.HTTPError):  # the engine finds the ring broken
+            httpx.post(f"{node.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        status = node.wait_stopped(timeout_s=60)
+    finally:
+        node.stop()
+        rank1.stop()
+    assert status == 1, node.log_tail()
+    assert "shard ring broken" in node.log_tail(50)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,3 +79,14 @@ def test_a_follower_runs_the_engine_side_module():
     argv = shard_ranks.follower_argv("/models/m", parent_pid=42)
     assert argv == [sys.executable, "-m", "engines.sharding_follower", "--model", "/models/m",
                     "--parent-pid", "42"]
+
+
+@pytest.mark.parametrize(("status", "exits"), [(3, [1]), (0, [])])
+def test_a_local_rank_that_fails_ends_the_node(status: int, exits: list[int],
+                                               monkeypatch: pytest.MonkeyPatch):
+    codes: list[int] = []
+    monkeypatch.setattr(shard_ranks.os, "_exit", codes.append)
+    rank = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({status})"])
+    for watcher in shard_ranks.exit_when_any_fails([rank]):
+        watcher.join()
+    assert codes == exits  # a rank exits 0 only after the leader's STOP: that is no failure
