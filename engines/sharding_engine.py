@@ -34,6 +34,7 @@ from engines.sharding import gather_layer, split_state
 from engines.sharding_protocol import (
     ShardDiverged,
     receive,
+    receive_step,
     receive_tokens,
     send_command,
     send_end,
@@ -79,6 +80,7 @@ class LeaderEngine(_RankEngine):
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig, group: Group):
         super().__init__(model, info, config, group)
         self._step_tokens: list[int] = []
+        self._quiet = False  # promised the followers: no commands this iteration
 
     def _serve(self) -> None:
         try:
@@ -89,6 +91,9 @@ class LeaderEngine(_RankEngine):
             os._exit(1)
 
     def _handle_commands(self) -> bool:
+        if self._quiet:
+            self._quiet = False
+            return True
         going = super()._handle_commands()
         send_end(self.group, going)
         return going
@@ -112,7 +117,8 @@ class LeaderEngine(_RankEngine):
             return
         self._step_tokens = []
         super()._decode_step()
-        send_tokens(self.group, self._step_tokens)  # [] when the step failed
+        self._quiet = self._commands.empty() and self._has_work()
+        send_tokens(self.group, self._step_tokens, self._quiet)  # [] when the step failed
 
     def _advance(self, sequence: Any, logits: np.ndarray) -> bool:
         going = super()._advance(sequence, logits)
@@ -179,10 +185,12 @@ class _LeaderTokens:
         self._group = group
         self._tokens: list[int] | None = None
         self._next = 0
+        self.quiet = False
 
     def take(self) -> list[int]:
         if self._tokens is None:
-            self._tokens = receive_tokens(self._group) or []
+            tokens, self.quiet = receive_step(self._group)
+            self._tokens = tokens or []
         return self._tokens
 
     def sample(self, _logits: np.ndarray, _position: int) -> int:
@@ -205,6 +213,7 @@ class FollowerEngine(_RankEngine):
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig, group: Group):
         super().__init__(model, info, config, group)
         self._diverged: ShardDiverged | None = None
+        self._quiet = False  # the leader's last step said: no commands next iteration
 
     def serve_forever(self) -> None:
         """The engine loop on this thread, until the leader stops (or the ring breaks)."""
@@ -213,6 +222,9 @@ class FollowerEngine(_RankEngine):
     def _handle_commands(self) -> bool:
         if self._diverged is not None:
             raise self._diverged
+        if self._quiet:
+            self._quiet = False
+            return True
         while True:
             op, message = receive(self.group)
             if op == "end":
@@ -255,3 +267,4 @@ class FollowerEngine(_RankEngine):
         super()._decode_step()
         if len(script.take()) != script._next:
             raise ShardDiverged("the leader's step has more tokens than this rank's batch")
+        self._quiet = script.quiet

@@ -3,7 +3,9 @@
 Per engine loop iteration the leader sends each command it takes (generate,
 prefill, decode with the whole received K/V, cancel), then ``END`` (or
 ``STOP`` when the engine closes); after each prefill the first token (or
-``FAILED``), after each decode step the step's tokens. Everything else a
+``FAILED``), after each decode step the step's tokens. A step's tokens may
+say ``quiet``: the next iteration takes no commands, so sends no ``END``
+(a command arriving meanwhile waits one iteration). Everything else a
 rank does (which sequences join which group, when one ends) follows from
 these, as the engine's code is the same on every rank; sampling happens only
 on the leader. Messages are JSON (arrays go as collectives of their own):
@@ -111,8 +113,13 @@ def send_failed(group: Group) -> None:
     broadcast_bytes(group, FAILED)
 
 
-def send_tokens(group: Group, tokens: list[int]) -> None:
-    broadcast_bytes(group, _dumps({"op": "tokens", "tokens": tokens}))
+def send_tokens(group: Group, tokens: list[int], quiet: bool = False) -> None:
+    """A prefill's first token or a step's tokens; ``quiet``: the next iteration has no
+    commands and no ``END`` (saves a collective per decode step)."""
+    message: dict[str, Any] = {"op": "tokens", "tokens": tokens}
+    if quiet:
+        message["quiet"] = True
+    broadcast_bytes(group, _dumps(message))
 
 
 def send_config(group: Group, config: EngineConfig) -> None:
@@ -140,14 +147,18 @@ def receive(group: Group) -> Received:
     return op, message
 
 
-def receive_tokens(group: Group) -> list[int] | None:
-    """A step's or a prefill's tokens; None where the leader's own run failed."""
+def receive_step(group: Group) -> tuple[list[int] | None, bool]:
+    """A step's or a prefill's tokens (None where the leader's own run failed), and quiet."""
     op, message = receive(group)
     if op == "failed":
-        return None
+        return None, False
     if op != "tokens":
         raise ShardDiverged(f"expected the leader's tokens, got {op!r}")
-    return [int(t) for t in message["tokens"]]
+    return [int(t) for t in message["tokens"]], bool(message.get("quiet"))
+
+
+def receive_tokens(group: Group) -> list[int] | None:
+    return receive_step(group)[0]
 
 
 def receive_config(group: Group) -> EngineConfig:
