@@ -1,10 +1,12 @@
-"""Sharded nodes as users start them: a sharded prefill node, ranks from a hostfile.
+"""Sharded nodes as users start them: beside unsharded ones, and ranks from a hostfile.
 
-A prefill node sharded over 2 local ranks hands off to an unsharded decode node.
+A prefill node sharded over 2 local ranks hands off to an unsharded decode
+node, and an unsharded prefill node to a sharded decode node.
 
 Real processes (``--shard-ranks 2``: rank 1 is the node's child), compared with
 an unsharded hybrid node's answers: the handoff carries whole K/V (gathered
-from both ranks), so the decode node needs to know nothing of the split. The
+from both ranks, or split between them on arrival), so neither side needs to
+know of the other's split. The
 tiny llama keeps greedy tokens clear of ties, so the text is the same (what
 exactly is guaranteed: tests/engines/test_sharding_ranks.py).
 """
@@ -86,47 +88,57 @@ def followers_of(pid: int) -> list[int]:
     return found
 
 
-def test_a_sharded_prefill_node_hands_off_to_an_unsharded_decode_node(tiny_model_path,
-                                                                       tmp_path: Path):
-    args = ["--model", str(tiny_model_path), "--served-model-name", MODEL, "--no-warmup"]
-    hybrid = start_node("hybrid", tmp_path, args)
+def node_args(model_path: Path) -> list[str]:
+    return ["--model", str(model_path), "--served-model-name", MODEL, "--no-warmup"]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_path, tmp_path_factory) -> list[str]:
+    """An unsharded hybrid node's answers."""
+    hybrid = start_node("hybrid", tmp_path_factory.mktemp("hybrid"), node_args(tiny_model_path))
     try:
         hybrid.wait_healthy(STARTUP_TIMEOUT_S)
-        expected = answers(hybrid.url)
+        return answers(hybrid.url)
     finally:
         hybrid.stop()
+
+
+@pytest.mark.parametrize("sharded", ["prefill", "decode"])
+def test_a_sharded_node_hands_off_with_an_unsharded_one(sharded: str, expected: list[str],
+                                                       tiny_model_path, tmp_path: Path):
     secret = tmp_path / "cluster.secret"
     generate_secret_file(secret)
     toml = tmp_path / "cluster.toml"
     toml.write_text("[prefix_cache]\nlocal_prefill_tokens = 0\n")  # every request hands off
-    node_args = [*args, "--cluster-secret-file", str(secret), "--distributed-config", str(toml)]
-    prefill_bind, decode_bind = (f"{LOOPBACK}:{free_port()}" for _ in range(2))
-    prefill = start_node("prefill", tmp_path, [*node_args, "--shard-ranks", "2"],
-                         serving_bind=prefill_bind)
-    decode = start_node("decode", tmp_path, node_args, serving_bind=decode_bind)
-    router = start_node("router", tmp_path, [*node_args, "--prefill-peers", prefill_bind,
-                                             "--decode-peers", decode_bind])
-    nodes = [router, decode, prefill]
+    args = [*node_args(tiny_model_path), "--cluster-secret-file", str(secret),
+            "--distributed-config", str(toml)]
+    binds = {role: f"{LOOPBACK}:{free_port()}" for role in ("prefill", "decode")}
+    roles = {role: start_node(role, tmp_path, [*args, *(["--shard-ranks", "2"]
+                                                        if role == sharded else [])],
+                              serving_bind=binds[role])
+             for role in ("prefill", "decode")}
+    router = start_node("router", tmp_path, [*args, "--prefill-peers", binds["prefill"],
+                                             "--decode-peers", binds["decode"]])
+    nodes = [router, roles["decode"], roles["prefill"]]
     try:
         for node in nodes:
             node.wait_healthy(STARTUP_TIMEOUT_S)
-        ranks = followers_of(prefill.process.pid)
+        ranks = followers_of(roles[sharded].process.pid)
         routed = answers(router.url)
-        handed_off = handoffs(prefill.url, len(CASES))
+        handed_off = handoffs(roles["prefill"].url, len(CASES))
     finally:
         statuses = [node.stop() for node in nodes]
-    assert len(ranks) == 1, prefill.log_tail()
+    assert len(ranks) == 1, roles[sharded].log_tail()
     assert routed == expected
     assert handed_off == len(CASES)
-    assert statuses[-1] == 0, prefill.log_tail()
+    assert statuses == [0, 0, 0], [node.log_tail() for node in nodes]
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # no rank left behind
 
 
 def test_ranks_from_a_hostfile_and_a_lost_rank_ends_the_node(tiny_model_path, tmp_path: Path):
     """The multi-host form on loopback: each rank is ``mlxcel-server`` with its ``--shard-rank``."""
     hostfile = write_loopback_hostfile(2, tmp_path)
-    args = ["--model", str(tiny_model_path), "--served-model-name", MODEL, "--no-warmup",
-            "--shard-hostfile", str(hostfile)]
+    args = [*node_args(tiny_model_path), "--shard-hostfile", str(hostfile)]
     rank1 = start_node("hybrid", tmp_path, [*args, "--shard-rank", "1"], name="rank1")
     node = start_node("hybrid", tmp_path, [*args, "--shard-rank", "0"])
     try:
