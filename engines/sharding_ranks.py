@@ -49,6 +49,16 @@ class ShardedEngine:
     def ranks(self) -> int:
         return self.leader.group.size()
 
+    @property
+    def config(self) -> EngineConfig:
+        """What every rank runs with (the KV budget sized on rank 0; each holds its heads)."""
+        return self.leader.config
+
+    @property
+    def model_bytes(self) -> int:
+        """This process's weights: rank 0's slice (its receive memory is sized from it)."""
+        return self.leader.model_bytes
+
     def start(self) -> None:
         self.leader.start()
 

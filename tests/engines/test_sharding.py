@@ -171,5 +171,18 @@ def test_a_model_without_tensor_parallel_support_is_refused():
         load_sharded_model(mamba, mx.distributed.init())
 
 
+def test_a_node_sizes_its_memory_from_rank_0():
+    from types import SimpleNamespace
+
+    from engines.sharding_ranks import ShardedEngine
+    from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
+
+    config = EngineConfig(kv_memory_bytes=1 << 30)
+    leader = SimpleNamespace(config=config, model_bytes=12345, group=mx.distributed.init())
+    engine = ShardedEngine(leader, None)
+    assert engine_config_of(engine, EngineConfig()) == config
+    assert engine_model_bytes(engine) == 12345 and engine.ranks == 1
+
+
 def test_no_hostfile_means_no_ring():
     assert sharding.ring_group_from_env({}) is None
