@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
+from mlxcel_plugin.discovery_api import model_fingerprint
 from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
@@ -199,6 +200,12 @@ async def _drained(node: PrefillNode | DecodeNode, settings: NodeSettings,
                        "them", node.node_id, left)
 
 
+def _announce(config: ServerConfig) -> dict[str, str]:
+    """What every peer reads in this node's verdict: the model it serves, when known."""
+    model = model_fingerprint(config.model)
+    return {"model": model} if model else {}
+
+
 async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engine: Engine,
                                build: Callable[[], Any], accept_roles: set[str],
                                signals: StopSignals) -> None:
@@ -211,7 +218,7 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
                               node.drain)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
-                              config=link_config(config.role))
+                              config=link_config(config.role), announce=_announce(config))
     ops = await OpsServer.start(config.host, config.port, OpsRoutes(
         node.health, node.metrics.render, ready=lambda: not node.drain.draining))
     advert = await advertise(config, node.node_id)  # None unless --advertise mdns
