@@ -69,16 +69,18 @@ def test_disable_and_allow_lists():
             "kv_codec": ["int4", "int8", "lz4", "none", "shuffle", "shuffle+lz4"],
             "role": ["decode", "prefill"],
             "engine": ["fake"],
-            "balancer": [],
+            "balancer": [], "discovery": [],
         }),
         ("router", {
             "balancer": ["least-loaded", "memory-aware", "prefix-aware", "prompt-length-aware",
                          "round-robin"],
             "role": ["hybrid", "router"],
             "transfer_strategy": [], "kv_codec": [], "engine": [],
+            "discovery": ["dns", "file", "kubernetes", "mdns", "static"],
         }),
         ("mlx_engines", {
             "engine": ["mlx"], "balancer": [], "role": [], "transfer_strategy": [], "kv_codec": [],
+            "discovery": [],
         }),
     ],
 )  # fmt: skip

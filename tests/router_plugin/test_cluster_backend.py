@@ -426,6 +426,9 @@ def test_a_migration_may_return_to_a_node_it_excluded_when_no_other_pair_is_left
         c.decodes[0].token_delay_s = 30.0  # stalls: excluded, yet the only decode node
         task = asyncio.create_task(collect_rest(stream))
         await wait_for(lambda: c.stats.requests.migrated == 1)
+        # The second attempt must be streaming (asleep on the 30 s delay) before the reset.
+        await wait_for(lambda: "slow~1" in c.decodes[0].streams)
+        await asyncio.sleep(0.01)
         c.decodes[0].token_delay_s = 0.02  # the attempt after the next one streams again
         got += await task
         assert tokens(got) == COUNTED and got[-1].finish_reason == "stop"
