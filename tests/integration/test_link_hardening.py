@@ -72,14 +72,19 @@ def hard_nodes(tmp_path_factory) -> Iterator[dict]:
 def test_out_of_range_sampling_from_a_router_gets_a_named_error(hard_nodes, sampling):
     nodes, prefill, decode = hard_nodes["nodes"], hard_nodes["prefill"], hard_nodes["decode"]
 
+    # The nodes serve the whole module: ids of their own per case, or a case's "fine"
+    # meets the previous case's ended "fine" on the decode node.
+    case = next(iter(sampling))
+
     async def go():
         async with driver(nodes, prefill, decode) as attacker:
-            bad = attacker.expect("bad")
-            await attacker.prefill.send(raw_request("bad", [5] * 8, sampling=sampling))
-            local = attacker.expect("bad-local")  # the decode node checks the same
-            await attacker.decode.send(raw_request("bad-local", [5] * 8, sampling=sampling))
+            bad = attacker.expect(f"bad-{case}")
+            await attacker.prefill.send(raw_request(f"bad-{case}", [5] * 8, sampling=sampling))
+            local = attacker.expect(f"bad-local-{case}")  # the decode node checks the same
+            await attacker.decode.send(raw_request(f"bad-local-{case}", [5] * 8,
+                                                   sampling=sampling))
             outcomes = [await attacker.wait(c, 10) for c in (bad, local)]
-            fine = await attacker.generate("fine", [8] * 10, 3)
+            fine = await attacker.generate(f"fine-{case}", [8] * 10, 3)
             return outcomes, fine
 
     outcomes, fine = run(go())
