@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engines import cache_layout, kv_convert
+from engines import cache_layout, kv_convert, reuse_probe
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.engine_commands import (
     Cancel,
@@ -167,8 +167,10 @@ class MlxEngine:
 
     def _serve(self) -> None:
         try:
+            self._prefix.grid = reuse_probe.prefill_grid(self.model, self.config, self.info)
+            self._update_stats()  # the grid's exact_min_rows, before any request
             if self.config.warmup:
-                warm_up(self.model, self.config.chunk_size_tokens)
+                warm_up(self.model, self._prefix.grid)
         finally:
             self._ready.set()
         while self._handle_commands():

@@ -16,9 +16,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines import kv_convert
+from engines import kv_convert, padded_keys
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.grammar import request_sampler
+from engines.prefill_grid import PrefillGrid
 from engines.prefix_cache import PrefixCache
 from engines.prompt_logprobs import prompt_logprobs_collector
 from engines.sampling import TokenSampler
@@ -41,7 +42,7 @@ def run_prefill(
     model: nn.Module,
     tokens: list[int] | tuple[int, ...],
     caches: list[Any],
-    chunk_size_tokens: int,
+    grid: PrefillGrid | int,
     on_layer: LayerEvaluated | None = None,
     on_logits: ChunkLogits = _ignore_logits,  # prompt logprobs (engines/prompt_logprobs.py)
     held_tokens: int | None = None,
@@ -49,11 +50,14 @@ def run_prefill(
 ) -> mx.array:
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
+    ``grid`` (or a chunk size: whole-cell reuse) says where forwards split
+    (engines/prefill_grid.py): never across a cell's end, the last token alone.
     ``caches`` may already hold a prefix of ``tokens`` (from the prefix cache);
-    the prefill resumes after it. Ending on a chunk boundary, it computes the
-    same chunks an uncached run computes from there (engines/prefix_cache.py).
+    the prefill resumes after it with the forwards a cache-off run computes
+    the same (engines/prefix_cache.py). On an any-token grid every forward's
+    keys are padded to its cell's end (engines/padded_keys.py).
 
-    Full chunks are evaluated as they go (bounded memory). The last token goes
+    Each forward is evaluated as it goes (bounded memory). The last token goes
     through on its own, so the vocabulary projection (which MLX computes only
     for outputs someone evaluates) runs for one position instead of a chunk.
     Then the caches are evaluated layer by layer in order — MLX is lazy, so
@@ -62,31 +66,38 @@ def run_prefill(
     nothing runs ahead: the caches hold exactly the prompt.
 
     ``held_tokens``: how many tokens ``caches`` hold (None: read from a KV layer's offset;
-    an SSM-only model has none). ``on_full_chunks(n)`` runs once the full chunks are
+    an SSM-only model has none). ``on_full_chunks(n)`` runs once the whole cells are
     evaluated, the caches holding exactly ``n`` tokens (the prefix cache snapshots there).
     """
-    if chunk_size_tokens < 1:
-        raise ValueError(f"chunk_size_tokens must be >= 1, got {chunk_size_tokens}")
+    grid = grid if isinstance(grid, PrefillGrid) else PrefillGrid(grid)
     prompt = mx.array(tokens, dtype=mx.uint32)[None]
     start = _held_tokens(caches) if held_tokens is None else held_tokens
     total = prompt.shape[1]
     if start >= total:
         raise ValueError(f"the caches hold {start} tokens; the prompt has only {total}")
-    while total - start > chunk_size_tokens:
-        on_logits(start, model(prompt[:, start : start + chunk_size_tokens], cache=caches))
+    *spans, last = grid.forwards(start, total)
+    full_cells = max(start, grid.full_cells_end(total))
+    for begin, end in spans:
+        if begin == full_cells and on_full_chunks is not None:
+            on_full_chunks(begin)
+        on_logits(begin, _forward(model, prompt[:, begin:end], caches, grid, begin))
         mx.eval([c.state for c in caches])
-        start += chunk_size_tokens
-    if on_full_chunks is not None:
-        on_full_chunks(start)
-    if total - start > 1:
-        on_logits(start, model(prompt[:, start : total - 1], cache=caches))
-    logits = model(prompt[:, total - 1 :], cache=caches)[0, -1, :]
+    if full_cells == total - 1 and on_full_chunks is not None:
+        on_full_chunks(full_cells)
+    logits = _forward(model, prompt[:, last[0]:], caches, grid, last[0])[0, -1, :]
     for i, cache in enumerate(caches):
         mx.eval(cache.state)
         if on_layer is not None:
             on_layer(i, cache)
     mx.eval(logits)
     return logits
+
+
+def _forward(model: nn.Module, tokens: mx.array, caches: list[Any], grid: PrefillGrid,
+             begin: int) -> mx.array:
+    if grid.any_token:
+        return model(tokens, cache=padded_keys.padded(caches, grid.cell_end(begin)))
+    return model(tokens, cache=caches)
 
 
 def _held_tokens(caches: list[Any]) -> int:
@@ -122,7 +133,7 @@ def prefill_request(
     if on_layer is not None:  # the prefill role: refuse what no decode node could take
         kv_convert.check_cache_kinds(caches)  # before computing anything
     held = reused.reused_tokens if reused else 0
-    logits = run_prefill(model, prompt, caches, config.chunk_size_tokens, on_layer,
+    logits = run_prefill(model, prompt, caches, prefix.grid, on_layer,
                          collector or _ignore_logits, held, prefix.snapshot_hook(prompt, caches))
     prefix.store_prompt_later(prompt, caches)  # copied once the first token is out
     row = np.array(logits.astype(mx.float32))
@@ -133,10 +144,10 @@ def prefill_request(
                      sampler.logprobs(row, token), prompt_logprobs)
 
 
-def warm_up(model: nn.Module, chunk_size_tokens: int) -> None:
+def warm_up(model: nn.Module, grid: PrefillGrid) -> None:
     """Run the prefill and batch-decode paths once so the first request pays no set-up."""
     caches = make_prompt_cache(model)
-    run_prefill(model, WARMUP_TOKENS, caches, chunk_size_tokens)
+    run_prefill(model, WARMUP_TOKENS, caches, grid)
     batch = DecodeBatch(model)
     # A placeholder sequence: step() only reads its last token, nothing is emitted.
     batch.add([Sequence(None, None, None, last_token=0, num_generated=1)], [caches])

@@ -1,13 +1,12 @@
 """Prompt KV kept across requests, reused only where it is bit-exact.
 
-``run_prefill`` computes a prompt in chunks of ``chunk_size_tokens`` aligned
-to absolute position 0, and a chunk's K/V depend only on the tokens up to its
-end. So the K/V of every *full* chunk a request computed are exactly what any
-later request with the same tokens up to that chunk's end would compute; the
-trailing partial chunk and the last token (computed with other shapes, which
-change float rounding) are not. The cache stores a request's full chunks and
-a hit resumes the prefill at a chunk boundary: output is byte-identical to a
-cache-off run (docs/prefix-cache.md).
+``run_prefill`` computes a prompt in forwards that never cross the cells of
+its ``PrefillGrid`` (``chunk_size_tokens`` from position 0), and a cell's K/V
+depend only on the tokens up to its end. The cache stores what the grid says
+any later prompt computes the same (``exact_end``: whole cells, and on an
+any-token grid the partial last cell too) and a hit resumes where the grid
+says the rest is computed the same (``usable``): output is byte-identical to
+a cache-off run (engines/prefill_grid.py, docs/prefix-cache.md).
 
 ``reuse_generated`` also keeps what a sequence held when it finished (its
 reply, computed by decode steps) and reuses any prefix of it, like
@@ -47,19 +46,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
 
+from engines.prefill_grid import PrefillGrid
 from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheStats
 
 log = logging.getLogger(__name__)
 
 # LRUPromptCache keys entries by a model object; one engine holds one model.
 _MODEL_KEY = "model"
-
-
-def full_chunk_tokens(prompt_len: int, chunk_size_tokens: int) -> int:
-    """Tokens of ``prompt_len`` that ``run_prefill`` computes in full chunks."""
-    if prompt_len <= chunk_size_tokens:
-        return 0
-    return (prompt_len - 1) // chunk_size_tokens * chunk_size_tokens
 
 
 def cacheable(caches: list[Any]) -> bool:
@@ -130,7 +123,8 @@ class PrefixCache:
     def __init__(self, max_bytes: int, chunk_size_tokens: int, reuse_generated: bool = False,
                  snapshots: bool = False):
         self.max_bytes = max_bytes
-        self.chunk_size_tokens = chunk_size_tokens
+        # Whole cells until the engine's start-up probe allows any token (engines/reuse_probe.py).
+        self.grid = PrefillGrid(chunk_size_tokens)
         self.reuse_generated = reuse_generated
         self.snapshots = snapshots  # exact-prefix states only: the caches cannot be cut back
         self._lru = LRUPromptCache(max_size=1 << 30)
@@ -194,11 +188,10 @@ class PrefixCache:
     def _usable(self, prompt_len: int, held: int) -> int:
         if self.reuse_generated:
             return min(held, prompt_len - 1)
-        aligned = held // self.chunk_size_tokens * self.chunk_size_tokens
-        return min(aligned, full_chunk_tokens(prompt_len, self.chunk_size_tokens))
+        return self.grid.usable(held, prompt_len)
 
     def store_prompt(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
-        """Keep the full chunks a prefill just computed (call before decoding extends them)."""
+        """Keep what a prefill just computed exactly (call before decoding extends it)."""
         if not self.snapshots or self.reuse_generated:  # a snapshot holds all it was fed
             self._store(tokens[: self._storable(tokens)], caches)
 
@@ -234,7 +227,7 @@ class PrefixCache:
     def _storable(self, tokens: tuple[int, ...]) -> int:
         if self.reuse_generated:
             return len(tokens)  # any prefix is reusable in this mode
-        return full_chunk_tokens(len(tokens), self.chunk_size_tokens)
+        return self.grid.exact_end(len(tokens))
 
     def store_finished(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
         """``reuse_generated``: keep a finished sequence's prompt and reply.
@@ -284,9 +277,8 @@ class PrefixCache:
     def pin(self, request_id: str, tokens: Sequence[int], prefix_tokens: int) -> bool:
         """Hold the stored K/V of exactly ``tokens[:prefix_tokens]`` for ``request_id``.
 
-        Only a prefix whose reuse is exact qualifies: whole chunks, and no more
-        than the prompt's own full chunks (as ``lookup`` reuses), unless
-        ``reuse_generated``. False when nothing stored holds it.
+        Only a prefix whose reuse is exact qualifies (as ``lookup`` reuses),
+        unless ``reuse_generated``. False when nothing stored holds it.
         """
         if not self.enabled or self.snapshots or not self._pinnable(len(tokens), prefix_tokens):
             return False  # a delta splices plain KVCache layers only
@@ -350,4 +342,5 @@ class PrefixCache:
             # only where this is > 0; snapshots are kept from the node's own prefills
             # alone, not from handoffs, so that guess would be wrong.
             capacity_bytes=0 if self.snapshots else self.max_bytes,
+            exact_min_rows=self.grid.min_rows or 0,
         )

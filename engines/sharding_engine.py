@@ -60,7 +60,9 @@ class _RankEngine(MlxEngine):
     """What every rank shares: its place in the group; a decode keeps this rank's KV heads."""
 
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig, group: Group):
-        super().__init__(model, info, config)
+        # Whole-chunk reuse: the start-up probe's forwards could end differently per rank.
+        whole = dataclasses.replace(config.prefix_cache, granularity="chunk")
+        super().__init__(model, info, dataclasses.replace(config, prefix_cache=whole))
         self.group = group
 
     def _apply_local(self, command: Command) -> None:

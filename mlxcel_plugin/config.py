@@ -217,6 +217,9 @@ def build_config(
     return validate(config)
 
 
+PREFIX_GRANULARITIES = ("auto", "chunk")
+
+
 def prefix_cache_config(
     env: Mapping[str, str], section: Mapping[str, Any], flag_bytes: int | None
 ) -> PrefixCacheConfig:
@@ -230,6 +233,9 @@ def prefix_cache_config(
     config = dataclass_from_mapping(PrefixCacheConfig, values, "[prefix_cache]")
     if config.max_bytes < 0:
         raise ConfigError(f"prefix cache max_bytes must be >= 0 (0: off), got {config.max_bytes}")
+    if config.granularity not in PREFIX_GRANULARITIES:
+        raise ConfigError(f"[prefix_cache] granularity must be one of "
+                          f"{', '.join(PREFIX_GRANULARITIES)}, got {config.granularity!r}")
     return config
 
 

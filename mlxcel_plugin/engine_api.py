@@ -193,6 +193,9 @@ class PrefixCacheStats:
     entries: int = 0
     evictions: int = 0  # entries dropped to stay in budget (counter)
     capacity_bytes: int = 0  # the cache's bound; 0: the engine keeps no prefixes
+    # Any prompt token is reused exactly when a forward has at least this many rows;
+    # 0: whole chunks only (engines/prefill_grid.py, engines/reuse_probe.py).
+    exact_min_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,10 @@ class PrefixCacheConfig:
     max_bytes: int = 1024**3
     # Also reuse what decode computed (the reply): faster turns, not byte-identical.
     reuse_generated: bool = False
+    # "auto": reuse any prefilled token where the engine's start-up probe finds that exact
+    # (engines/reuse_probe.py), else whole chunks; "chunk": whole chunks only, no probe.
+    # Every node of a cluster must resolve it alike (the same kind of machine).
+    granularity: str = "auto"
     # Router: a decode node believed to hold all but at most this many prompt tokens
     # prefills them itself, without a prefill node (0: always use a prefill node).
     local_prefill_tokens: int = 256

@@ -2,6 +2,15 @@
 
 MLX's CPU wheel links a slow reference BLAS; the only way to swap it is to
 preload OpenBLAS before the process starts, so the CLI re-executes itself.
+
+On a CPU with AVX-512 it also asks for OpenBLAS's SkylakeX kernels
+(``OPENBLAS_CORETYPE``): OpenBLAS 0.3.21 runs AMD Zen 4 on its Haswell
+kernels, whose float rounding for one row of a matrix product depends on how
+many rows are computed with it, while the SkylakeX kernels give every row of
+a product of 32+ rows the same bits. That is what lets the prefix cache reuse
+any prefilled token exactly (engines/reuse_probe.py, docs/prefix-cache.md);
+prefill speed is the same or better. An ``OPENBLAS_CORETYPE`` the user set is
+kept.
 """
 
 from __future__ import annotations
@@ -15,6 +24,9 @@ CANDIDATE_GLOBS = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
 )
 DISABLE_VAR = "MLXCEL_NO_OPENBLAS"
+CORETYPE_VAR = "OPENBLAS_CORETYPE"
+# What OpenBLAS's SkylakeX kernels execute (its own check for that core type).
+AVX512_FLAGS = ("avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl")
 
 
 def find_openblas() -> str | None:
@@ -35,4 +47,21 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
         return None
     new_env = dict(env)
     new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
+    if CORETYPE_VAR not in env and has_avx512(read_cpu_flags()):
+        new_env[CORETYPE_VAR] = "SkylakeX"
     return new_env
+
+
+def read_cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        with open(path, encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_avx512(flags: set[str]) -> bool:
+    return all(flag in flags for flag in AVX512_FLAGS)

@@ -35,6 +35,9 @@ class PrefixCacheCollector:
                                 value=stats.cached_bytes)
         yield GaugeMetricFamily(f"{PREFIX}_entries", "Prefixes held by the prefix cache.",
                                 value=stats.entries)
+        yield GaugeMetricFamily(f"{PREFIX}_exact_min_rows", "Rows a prefill forward needs for "
+                                "any cached token to be reused exactly (0: whole chunks only).",
+                                value=stats.exact_min_rows)
 
 
 def register_prefix_cache(registry: CollectorRegistry,

@@ -73,7 +73,7 @@ def test_quantized_kv_cache_goes_over_the_wire_packed_and_decodes_the_same():
     model = llama_with_head_dim_32()
     prompt = list(range(100, 190))
     caches = make_prompt_cache(model)
-    logits = run_prefill(model, prompt, caches, chunk_size_tokens=32)
+    logits = run_prefill(model, prompt, caches, 32)
     quantized = [c.to_quantized(group_size=32, bits=8) for c in caches]
     mx.eval([c.state[:2] for c in quantized])
     specs = tuple(cache_layout.describe_leaf(c) for c in quantized)

@@ -23,7 +23,7 @@ def prefilled(model, n: int, seed: int = 0) -> tuple[int, list]:
     """First greedy token and the per-layer caches of an ``n``-token prompt."""
     caches = make_prompt_cache(model)
     tokens = [(7 * j + 31 * seed) % 4000 + 100 for j in range(n)]
-    logits = run_prefill(model, tokens, caches, chunk_size_tokens=512)
+    logits = run_prefill(model, tokens, caches, 512)
     return int(np.argmax(np.array(logits))), caches
 
 

@@ -87,7 +87,7 @@ def test_rotating_cache_handoff_decodes_like_the_original(tiny_model_path):
     model, _ = load_mlx_model(tiny_model_path)
     prompt = list(range(100, 400))  # longer than the window: the buffer has rotated
     caches = [RotatingKVCache(max_size=128, keep=4) for _ in model.layers]
-    logits = run_prefill(model, prompt, caches, chunk_size_tokens=96)
+    logits = run_prefill(model, prompt, caches, 96)
     first = int(np.argmax(np.array(logits)))
     layers = [kv_convert.to_cache_layer(c) for c in caches]
     assert layers[0].kind == "RotatingKVCache" and layers[0].meta["max_size"] == 128

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from engines.mlx_engine import MlxEngine
-from engines.prefix_cache import PrefixCache, full_chunk_tokens
+from engines.prefill_grid import PrefillGrid
+from engines.prefix_cache import PrefixCache
 from mlxcel_plugin.engine_api import (
     EngineConfig,
     GenerationRequest,
@@ -46,10 +47,14 @@ def engines(tiny_model_path):
     plain.close()
 
 
-def test_full_chunk_tokens_follows_run_prefill_chunking():
-    assert [full_chunk_tokens(n, 256) for n in (1, 256, 257, 512, 513, 1100)] == [
-        0, 0, 256, 256, 512, 1024,
-    ]
+def grid_of(engine: MlxEngine) -> PrefillGrid:
+    """The grid the engine's start-up probe chose (any token here: MLX's reference BLAS)."""
+    return PrefillGrid(CHUNK, engine.stats().prefix_cache.exact_min_rows or None)
+
+
+def test_the_probe_allows_any_token_reuse_on_this_backend(engines):
+    cached, plain = engines
+    assert grid_of(cached).any_token and grid_of(plain) == grid_of(cached)
 
 
 @pytest.mark.parametrize("extra", [1, 255, 256, 257, 600])
@@ -69,22 +74,22 @@ def test_the_prefill_role_reuses_and_reports_cached_tokens(engines):
     support.generate(cached, GenerationRequest("seed-prefix", SHARED + tokens(3, seed=3), 1))
     request = GenerationRequest("split", SHARED + tokens(300, seed=4), 10)
     result = support.prefill(cached, request)
-    assert result.cached_tokens == 1024
+    assert result.cached_tokens == grid_of(cached).usable(len(SHARED), len(request.prompt_tokens))
     assert support.decode_after(cached, request, result) == support.split(plain, request)
     assert support.prefill(plain, request).cached_tokens == 0
 
 
 def test_a_multi_turn_conversation_hits_every_later_turn(engines):
     cached, plain = engines
-    history: tuple[int, ...] = SHARED
+    grid, history, asked = grid_of(cached), SHARED, 0
     for turn in range(4):
         history = history + tokens(90, seed=100 + turn)
         request = GenerationRequest(f"turn-{turn}", history, 8)
         got = support.generate(cached, request)
         assert got.tokens == support.generate(plain, request).tokens
-        if turn:
-            assert got.events[0].cached_tokens == full_chunk_tokens(len(history) - 90, CHUNK)
-        history = history + tuple(got.tokens)
+        if turn:  # the previous prompt, as far as it is exact; not its reply
+            assert got.events[0].cached_tokens == grid.usable(grid.exact_end(asked), len(history))
+        history, asked = history + tuple(got.tokens), len(history)
 
 
 def test_concurrent_requests_sharing_a_prefix_stay_exact(engines):
@@ -109,7 +114,8 @@ def test_stats_count_hits_lookups_and_bytes(engines):
     support.generate(cached, request)
     after = cached.stats().prefix_cache
     assert after.lookup_tokens - before.lookup_tokens == len(request.prompt_tokens)
-    assert after.hit_tokens - before.hit_tokens == 1024
+    hit = grid_of(cached).usable(len(SHARED), len(request.prompt_tokens))
+    assert after.hit_tokens - before.hit_tokens == hit
     assert after.cached_bytes > 0 and after.entries >= 1
     assert cached.stats().kv_bytes >= after.cached_bytes
 
@@ -171,4 +177,6 @@ def test_reuse_generated_reuses_the_reply_and_is_deterministic(tiny_model_path):
     assert cached == len(SHARED) + 50 + len(first) - 1
     assert _two_turns(tiny_model_path, reuse_generated=True)[:2] == (first, second)
     exact_first, _, exact_cached = _two_turns(tiny_model_path, reuse_generated=False)
-    assert exact_first == first and exact_cached == 1024
+    asked, grid = len(SHARED) + 50, PrefillGrid(CHUNK, 8)  # the probe's rows on this backend
+    assert exact_first == first
+    assert exact_cached == grid.usable(grid.exact_end(asked), asked + len(first) + 30)

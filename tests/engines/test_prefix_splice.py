@@ -70,16 +70,32 @@ def test_a_spliced_delta_decodes_what_a_single_node_generates(cluster, extra, sa
     assert [result.first_token, *events.tokens] == support.generate(plain, request).tokens
 
 
-def test_only_a_held_chunk_aligned_prefix_can_be_reserved(cluster, tiny_model_path):
+def test_only_a_held_exact_prefix_can_be_reserved(cluster, tiny_model_path):
     _, decode_node, plain = cluster
     prompt = SHARED + tokens(300, seed=9)
-    assert not reserve_prefix(decode_node, "unaligned", prompt, HELD - 24)  # mid-chunk
+    # Mid-chunk: exact only where the start-up probe allowed any-token reuse.
+    any_token = decode_node.stats().prefix_cache.exact_min_rows > 0
+    assert reserve_prefix(decode_node, "mid-chunk", prompt, HELD - 24) == any_token
+    release_prefix(decode_node, "mid-chunk")
     assert not reserve_prefix(decode_node, "too-long", prompt, HELD + CHUNK)  # not held
     assert not reserve_prefix(decode_node, "other", tokens(1400, seed=77), HELD)
     assert not reserve_prefix(decode_node, "whole", SHARED[:HELD], HELD)  # nothing left to send
     assert not reserve_prefix(plain, "off", prompt, HELD)  # cache off: never
     assert reserve_prefix(decode_node, "shorter", prompt, CHUNK)  # any held chunk boundary
     release_prefix(decode_node, "shorter")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SEEDED], ids=["greedy", "seeded"])
+def test_a_mid_chunk_delta_is_exact_on_an_any_token_grid(cluster, sampling):
+    prefill, decode_node, plain = cluster
+    if not decode_node.stats().prefix_cache.exact_min_rows:
+        pytest.skip("this backend reuses whole chunks only (engines/reuse_probe.py)")
+    held = len(SHARED)  # mid-chunk: what this prompt shares with the first handoff's
+    request = GenerationRequest("mid", SHARED + tokens(120, seed=12), 10, sampling)
+    assert reserve_prefix(decode_node, request.request_id, request.prompt_tokens, held)
+    result = support.prefill(prefill, request)
+    events = decode(decode_node, request, result.first_token, delta_of(result, held))
+    assert [result.first_token, *events.tokens] == support.generate(plain, request).tokens
 
 
 def test_a_delta_without_its_pin_fails_only_its_request(cluster):

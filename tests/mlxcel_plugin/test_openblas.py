@@ -1,0 +1,37 @@
+"""The OpenBLAS re-exec environment: preload, and SkylakeX kernels where AVX-512 runs them."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel_plugin import openblas
+
+AVX512 = set(openblas.AVX512_FLAGS) | {"sse2", "avx2"}
+
+
+@pytest.fixture
+def with_library(monkeypatch):
+    monkeypatch.setattr(openblas.sys, "platform", "linux")
+    monkeypatch.setattr(openblas, "find_openblas", lambda: "/usr/lib/libopenblas.so.0")
+
+
+def test_avx512_machines_get_the_skylakex_kernels(with_library, monkeypatch):
+    monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
+    env = openblas.preload_env({})
+    assert env["LD_PRELOAD"] == "/usr/lib/libopenblas.so.0"
+    assert env["OPENBLAS_CORETYPE"] == "SkylakeX"
+
+
+def test_other_machines_and_a_users_choice_are_left_alone(with_library, monkeypatch):
+    monkeypatch.setattr(openblas, "read_cpu_flags", lambda: {"sse2", "avx2", "avx512f"})
+    assert "OPENBLAS_CORETYPE" not in openblas.preload_env({})
+    monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
+    assert openblas.preload_env({"OPENBLAS_CORETYPE": "Haswell"})["OPENBLAS_CORETYPE"] == "Haswell"
+    assert openblas.preload_env({"MLXCEL_NO_OPENBLAS": "1"}) is None
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx2\n")
+    assert openblas.read_cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "avx2"}
+    assert openblas.read_cpu_flags(str(tmp_path / "missing")) == set()
