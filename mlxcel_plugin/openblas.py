@@ -9,8 +9,9 @@ kernels, whose float rounding for one row of a matrix product depends on how
 many rows are computed with it, while the SkylakeX kernels give every row of
 a product of 32+ rows the same bits. That is what lets the prefix cache reuse
 any prefilled token exactly (engines/reuse_probe.py, docs/prefix-cache.md);
-prefill speed is the same or better. An ``OPENBLAS_CORETYPE`` the user set is
-kept.
+prefill speed is the same or better. This overrides an ``OPENBLAS_CORETYPE``
+already set (some machine images pin Haswell) for the node's own process;
+``MLXCEL_OPENBLAS_CORETYPE=keep`` keeps it, any other value is used instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CANDIDATE_GLOBS = (
 )
 DISABLE_VAR = "MLXCEL_NO_OPENBLAS"
 CORETYPE_VAR = "OPENBLAS_CORETYPE"
+CORETYPE_CHOICE_VAR = "MLXCEL_OPENBLAS_CORETYPE"  # auto (default), keep, or a core type
 # What OpenBLAS's SkylakeX kernels execute (its own check for that core type).
 AVX512_FLAGS = ("avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl")
 
@@ -42,14 +44,25 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
     if not sys.platform.startswith("linux") or env.get(DISABLE_VAR) == "1":
         return None
     library = find_openblas()
-    current = env.get("LD_PRELOAD", "")
-    if library is None or "openblas" in current:
+    if library is None:
         return None
     new_env = dict(env)
-    new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
-    if CORETYPE_VAR not in env and has_avx512(read_cpu_flags()):
-        new_env[CORETYPE_VAR] = "SkylakeX"
-    return new_env
+    current = env.get("LD_PRELOAD", "")
+    if "openblas" not in current:
+        new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
+    coretype = chosen_coretype(env.get(CORETYPE_CHOICE_VAR, "auto"), read_cpu_flags())
+    if coretype is not None:
+        new_env[CORETYPE_VAR] = coretype
+    return None if new_env == dict(env) else new_env
+
+
+def chosen_coretype(choice: str, cpu_flags: set[str]) -> str | None:
+    """``OPENBLAS_CORETYPE`` for engine nodes; None: leave it as the environment has it."""
+    if choice == "keep":
+        return None
+    if choice == "auto":
+        return "SkylakeX" if has_avx512(cpu_flags) else None
+    return choice
 
 
 def read_cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:

@@ -123,13 +123,16 @@ def test_prefix_cache_rejects_bad_values(tmp_path):
         build_config({"distributed_config": write_toml(tmp_path, "[prefix_cache]\nsize = 1\n")})
     with pytest.raises(ConfigError, match="max_bytes"):
         build_config({}, env={"MLXCEL_PREFIX_CACHE_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="granularity must be one of auto, chunk"):
+        build_config({"distributed_config": write_toml(tmp_path, "[prefix_cache]\n"
+                                                                 "granularity = 'token'\n")})
 
 
 def test_the_shipped_prefix_cache_example_loads_as_documented():
     config = build_config({"distributed_config": str(REPO / "examples" / "prefix-cache.toml")},
                           env={})
     prefix = config.engine_config.prefix_cache
-    assert (prefix.max_bytes, prefix.reuse_generated, prefix.local_prefill_tokens) == (
-        1024**3, False, 256)
+    assert (prefix.max_bytes, prefix.reuse_generated, prefix.local_prefill_tokens,
+            prefix.granularity) == (1024**3, False, 256, "auto")
     assert (config.prefill_balancer, config.decode_balancer) == ("prefix-aware", "prefix-aware")
     assert config.section("router") == {"prefix_block_tokens": 128}

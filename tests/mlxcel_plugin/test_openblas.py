@@ -22,12 +22,21 @@ def test_avx512_machines_get_the_skylakex_kernels(with_library, monkeypatch):
     assert env["OPENBLAS_CORETYPE"] == "SkylakeX"
 
 
-def test_other_machines_and_a_users_choice_are_left_alone(with_library, monkeypatch):
+def test_a_pinned_haswell_is_replaced_unless_asked_to_keep_it(with_library, monkeypatch):
+    monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
+    pinned = {"OPENBLAS_CORETYPE": "Haswell", "LD_PRELOAD": "/usr/lib/libopenblas.so.0"}
+    assert openblas.preload_env(pinned)["OPENBLAS_CORETYPE"] == "SkylakeX"
+    assert openblas.preload_env({**pinned, "MLXCEL_OPENBLAS_CORETYPE": "keep"}) is None
+    chosen = openblas.preload_env({**pinned, "MLXCEL_OPENBLAS_CORETYPE": "Zen"})
+    assert chosen["OPENBLAS_CORETYPE"] == "Zen"
+    done = {**pinned, "OPENBLAS_CORETYPE": "SkylakeX"}
+    assert openblas.preload_env(done) is None  # already as wanted: no re-exec
+    assert openblas.preload_env({"MLXCEL_NO_OPENBLAS": "1"}) is None
+
+
+def test_machines_without_avx512_keep_their_kernels(with_library, monkeypatch):
     monkeypatch.setattr(openblas, "read_cpu_flags", lambda: {"sse2", "avx2", "avx512f"})
     assert "OPENBLAS_CORETYPE" not in openblas.preload_env({})
-    monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
-    assert openblas.preload_env({"OPENBLAS_CORETYPE": "Haswell"})["OPENBLAS_CORETYPE"] == "Haswell"
-    assert openblas.preload_env({"MLXCEL_NO_OPENBLAS": "1"}) is None
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
