@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engines import cache_layout, kv_convert, reuse_probe
+from engines import cache_layout, kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.engine_commands import (
     Cancel,
@@ -38,7 +38,7 @@ from engines.engine_memory import EngineMemory
 from engines.grammar import request_sampler
 from engines.kv_quant import KVQuantizer
 from engines.model_loader import load_mlx_model, model_info
-from engines.prefill import Prefilled, prefill_request, warm_up
+from engines.prefill import Prefilled, prefill_request, prepare_prefills
 from engines.prefix_cache import PrefixCache
 from engines.prefix_splice import check_handoff, handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
@@ -167,10 +167,8 @@ class MlxEngine:
 
     def _serve(self) -> None:
         try:
-            self._prefix.grid = reuse_probe.prefill_grid(self.model, self.config, self.info)
+            prepare_prefills(self.model, self._prefix, self.config, self.info)
             self._update_stats()  # the grid's exact_min_rows, before any request
-            if self.config.warmup:
-                warm_up(self.model, self._prefix.grid)
         finally:
             self._ready.set()
         while self._handle_commands():

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines import kv_convert, padded_keys
+from engines import kv_convert, padded_keys, reuse_probe
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.grammar import request_sampler
 from engines.prefill_grid import PrefillGrid
@@ -50,20 +50,16 @@ def run_prefill(
 ) -> mx.array:
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
-    ``grid`` (or a chunk size: whole-cell reuse) says where forwards split
-    (engines/prefill_grid.py): never across a cell's end, the last token alone.
-    ``caches`` may already hold a prefix of ``tokens`` (from the prefix cache);
-    the prefill resumes after it with the forwards a cache-off run computes
-    the same (engines/prefix_cache.py). On an any-token grid every forward's
-    keys are padded to its cell's end (engines/padded_keys.py).
+    ``grid`` (or a chunk size: whole cells) says where forwards split: never across
+    a cell's end, the last token alone (engines/prefill_grid.py). ``caches`` may hold
+    a prefix of ``tokens`` (the prefix cache): the prefill resumes after it. On an
+    any-token grid each forward's keys are padded to its cell's end (padded_keys.py).
 
-    Each forward is evaluated as it goes (bounded memory). The last token goes
-    through on its own, so the vocabulary projection (which MLX computes only
-    for outputs someone evaluates) runs for one position instead of a chunk.
-    Then the caches are evaluated layer by layer in order — MLX is lazy, so
-    layer i's K/V are ready (and ``on_layer(i, cache)`` can ship them) while
-    later layers are still to be computed. Unlike mlx-lm's ``generate_step``
-    nothing runs ahead: the caches hold exactly the prompt.
+    Each forward is evaluated as it goes (bounded memory). The last token goes alone,
+    so the vocabulary projection runs for one position (MLX computes only what is
+    evaluated); then the caches are evaluated layer by layer — MLX is lazy, so layer
+    i's K/V are ready (``on_layer(i, cache)`` ships them) while later layers are
+    still to be computed. Nothing runs ahead: the caches hold exactly the prompt.
 
     ``held_tokens``: how many tokens ``caches`` hold (None: read from a KV layer's offset;
     an SSM-only model has none). ``on_full_chunks(n)`` runs once the whole cells are
@@ -142,6 +138,14 @@ def prefill_request(
     prompt_logprobs = None if collector is None else collector.result()
     return Prefilled(sampler, token, caches, reused.reused_tokens if reused else 0,
                      sampler.logprobs(row, token), prompt_logprobs)
+
+
+def prepare_prefills(model: nn.Module, prefix: PrefixCache, config: EngineConfig,
+                     info: ModelInfo) -> None:
+    """At engine start: probe the grid every prefill follows (its numbers), then warm up."""
+    prefix.grid = reuse_probe.prefill_grid(model, config, info)
+    if config.warmup:
+        warm_up(model, prefix.grid)
 
 
 def warm_up(model: nn.Module, grid: PrefillGrid) -> None:
