@@ -43,6 +43,13 @@ def grammar_tokenizer(
     return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos_token)
 
 
+def warm_grammar_tokenizer(info: ModelInfo) -> None:
+    """Build the model's grammar tokenizer ahead of its first use, where it can be built."""
+    eos = info.eos_token_ids[0] if info.eos_token_ids else 0
+    if info.tokenizer_dir and (Path(info.tokenizer_dir) / "tokenizer.json").is_file():
+        grammar_tokenizer(info.tokenizer_dir, info.vocab_size, eos)
+
+
 class GrammarConstraint:
     """One sequence's matcher: masks logits rows and takes the sampled tokens in."""
 

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines import kv_convert, padded_keys, reuse_probe
 from engines.decode_batch import DecodeBatch, Sequence
-from engines.grammar import request_sampler
+from engines.grammar import request_sampler, warm_grammar_tokenizer
 from engines.prefill_grid import PrefillGrid
 from engines.prefix_cache import PrefixCache
 from engines.prompt_logprobs import prompt_logprobs_collector
@@ -146,6 +146,7 @@ def prepare_prefills(model: nn.Module, prefix: PrefixCache, config: EngineConfig
     prefix.grid = reuse_probe.prefill_grid(model, config, info)
     if config.warmup:
         warm_up(model, prefix.grid)
+        warm_grammar_tokenizer(info)  # else the first constrained request waits ~1 s
 
 
 def warm_up(model: nn.Module, grid: PrefillGrid) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from engines.grammar import GrammarConstraint, request_constraint
+from engines.grammar import GrammarConstraint, grammar_tokenizer, request_constraint
 from engines.mlx_engine import MlxEngine
 from mlxcel_plugin.engine_api import (
     FINISH_ERROR,
@@ -79,6 +79,19 @@ def engine(tiny_model_path):
     eng.start()
     yield eng
     eng.close()
+
+
+def test_a_warmed_up_engine_builds_the_grammar_tokenizer_before_any_request(tiny_model_path):
+    grammar_tokenizer.cache_clear()
+    cold = MlxEngine.from_path(str(tiny_model_path), EngineConfig(chunk_size_tokens=8,
+                                                                  warmup=False))
+    cold.start()
+    cold.close()
+    assert grammar_tokenizer.cache_info().currsize == 0  # --no-warmup: built on first use
+    warm = MlxEngine.from_path(str(tiny_model_path), EngineConfig(chunk_size_tokens=8))
+    warm.start()
+    warm.close()
+    assert grammar_tokenizer.cache_info().currsize == 1
 
 
 @pytest.fixture(scope="module")

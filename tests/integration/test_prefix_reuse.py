@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from mlxcel_plugin import openblas
 from mlxcel_plugin.local_cluster import LocalCluster, start_node
 
 STARTUP_TIMEOUT_S = 180
@@ -25,13 +26,14 @@ SYSTEM = " ".join(f"Rule {i}: answer with care about topic {i * 7 % 31}." for i 
 pytestmark = pytest.mark.timeout(900)
 
 
-def conversation(base_url: str, after_turn=lambda: None) -> list[tuple[str, int]]:
+def conversation(base_url: str, after_turn=lambda: None, system: str = SYSTEM,
+                 turns_asked: int = TURNS) -> list[tuple[str, int]]:
     """(reply, cached prompt tokens) per turn; each turn carries the whole history."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
                            timeout=300)
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": system}]
     turns = []
-    for turn in range(TURNS):
+    for turn in range(turns_asked):
         messages.append({"role": "user", "content": f"Question {turn}: what about item {turn}?"})
         response = client.chat.completions.create(model=MODEL, messages=messages,
                                                   max_tokens=12, temperature=0)
@@ -48,12 +50,13 @@ def counter(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def hybrid_run(workdir: Path, model: str, cache_bytes: int) -> tuple[list[tuple[str, int]], float]:
+def hybrid_run(workdir: Path, model: str, cache_bytes: int,
+               **chat: object) -> tuple[list[tuple[str, int]], float]:
     node = start_node("hybrid", workdir, ["--model", model, "--served-model-name", MODEL,
                                           "--no-warmup", "--prefix-cache-bytes", str(cache_bytes)])
     try:
         node.wait_healthy(STARTUP_TIMEOUT_S)
-        turns = conversation(node.url)
+        turns = conversation(node.url, **chat)
         return turns, counter(node.url, "mlxcel:prefix_cache_hit_tokens_total")
     finally:
         node.stop()
@@ -143,3 +146,20 @@ def test_decode_prefills_short_misses_itself_and_survives_a_restart(local_cluste
     assert router_stats(local_cluster)["nodes"]["decode"][0]["prefix_blocks"] == 0
     again = conversation(local_cluster.router.url)
     assert [reply for reply, _ in again] == reference
+
+
+@pytest.mark.smollm2
+def test_smollm2_nodes_reuse_any_prompt_token_and_match_cache_off(smollm2_model_path, tmp_path):
+    """On SmolLM2 the nodes' probe allows any-token reuse (OpenBLAS SkylakeX on AVX-512 CPUs).
+
+    The reuse then resumes mid-chunk, after the previous prompt but its last token;
+    every reply is still the cache-off node's.
+    """
+    chat = {"system": SYSTEM[:1200], "turns_asked": 3}
+    plain, _ = hybrid_run(tmp_path / "off", str(smollm2_model_path), 0, **chat)
+    cached, hits = hybrid_run(tmp_path / "on", str(smollm2_model_path), 1 << 30, **chat)
+    assert [reply for reply, _ in cached] == [reply for reply, _ in plain]
+    assert hits == sum(tokens for _, tokens in cached) > 0
+    if not openblas.has_avx512(openblas.read_cpu_flags()):
+        pytest.skip("no AVX-512: the probe's answer depends on this machine's kernels")
+    assert any(tokens % 128 for _, tokens in cached[1:])  # mid-chunk: not whole chunks
