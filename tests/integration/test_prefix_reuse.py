@@ -156,8 +156,8 @@ def test_smollm2_nodes_reuse_any_prompt_token_and_match_cache_off(smollm2_model_
     every reply is still the cache-off node's.
     """
     chat = {"system": SYSTEM[:1200], "turns_asked": 3}
-    plain, _ = hybrid_run(tmp_path / "off", str(smollm2_model_path), 0, **chat)
-    cached, hits = hybrid_run(tmp_path / "on", str(smollm2_model_path), 1 << 30, **chat)
+    plain, _ = hybrid_run(tmp_path, str(smollm2_model_path), 0, **chat)
+    cached, hits = hybrid_run(tmp_path, str(smollm2_model_path), 1 << 30, **chat)
     assert [reply for reply, _ in cached] == [reply for reply, _ in plain]
     assert hits == sum(tokens for _, tokens in cached) > 0
     if not openblas.has_avx512(openblas.read_cpu_flags()):
