@@ -25,10 +25,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.padded_keys import padded
 from engines.prefill_grid import PrefillGrid
+from engines.prefix_cache import cacheable, reading
 from mlxcel_plugin.engine_api import EngineConfig, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def prefill_grid(model: nn.Module, config: EngineConfig, info: ModelInfo) -> Pre
 
 def probe_min_rows(model: nn.Module, cell: int, vocab_size: int) -> int | None:
     """The fewest rows a forward needs for any-token reuse to be exact; None: whole cells only."""
-    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+    if not cacheable(make_prompt_cache(model)):
         return None  # caches that cannot be cut back keep whole-cell snapshots
     rng = random.Random(PROBE_SEED)
     tokens = mx.array([rng.randrange(vocab_size) for _ in range(CELLS * cell)], mx.uint32)[None]
@@ -68,7 +69,7 @@ def probe_min_rows(model: nn.Module, cell: int, vocab_size: int) -> int | None:
 def _split_matches(model: nn.Module, tokens: mx.array, grid: PrefillGrid, whole: list[Any],
                    cell_index: int, rows: int) -> bool:
     start, end = cell_index * grid.cell, (cell_index + 1) * grid.cell
-    caches = _prefix_of(whole, start)
+    caches = reading(whole, start)  # never written: extending copies
     split = _forward_cells(model, tokens, grid, [(start, end - rows), (end - rows, end)], caches)
     return all(_same_bits(a, b, start, end) for a, b in zip(whole, split, strict=True))
 
@@ -80,16 +81,6 @@ def _forward_cells(model: nn.Module, tokens: mx.array, grid: PrefillGrid,
         model(tokens[:, begin:end], cache=padded(caches, grid.cell_end(begin)))
         mx.eval([c.state for c in caches])
     return caches
-
-
-def _prefix_of(caches: list[Any], n_tokens: int) -> list[KVCache]:
-    copies = []
-    for cache in caches:
-        copy = KVCache()
-        if n_tokens:
-            copy.state = (cache.keys[..., :n_tokens, :], cache.values[..., :n_tokens, :], n_tokens)
-        copies.append(copy)
-    return copies
 
 
 def _same_bits(a: Any, b: Any, start: int, end: int) -> bool:
