@@ -116,6 +116,8 @@ def run(argv: Sequence[str]) -> None:
     if config.shard_rank == 0:
         require_cluster_secret(config.role, config.cluster_secret_file, os.environ)
     maybe_reexec_with_openblas(config, argv)
+    if config.role != "router":
+        openblas.limit_numpy_blas()  # the codecs' NumPy BLAS: one thread, no spinning
     config = resolve_model(config)
     prepare_ranks(config)  # --shard-ranks / --shard-hostfile (mlxcel_plugin/shard_ranks.py)
     registry = load_plugins()

@@ -12,13 +12,24 @@ any prefilled token exactly (engines/reuse_probe.py, docs/prefix-cache.md);
 prefill speed is the same or better. This overrides an ``OPENBLAS_CORETYPE``
 already set (some machine images pin Haswell) for the node's own process;
 ``MLXCEL_OPENBLAS_CORETYPE=keep`` keeps it, any other value is used instead.
+
+NumPy brings its own OpenBLAS, which the KV codecs use (int8's Hadamard
+rotation is a matmul of 64-value blocks). Its worker threads spin on
+``sched_yield`` after every call: on a decode node receiving int8 KV they
+burned as much CPU as the decoding itself, beside the link's thread and MLX.
+``limit_numpy_blas`` gives NumPy's copy one thread (measured: same wall time
+or less, half the CPU) and leaves the OpenBLAS under MLX as it is.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
+import os
 import sys
 from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
 
 CANDIDATE_GLOBS = (
     "/usr/lib/*-linux-gnu/libopenblas.so.0",
@@ -78,3 +89,25 @@ def read_cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
 
 def has_avx512(flags: set[str]) -> bool:
     return all(flag in flags for flag in AVX512_FLAGS)
+
+
+def limit_numpy_blas(threads: int = 1) -> int:
+    """Cap the BLAS bundled in NumPy's wheel at ``threads``; how many libraries it capped.
+
+    Only libraries under NumPy's own directory are touched (``numpy.libs`` on
+    Linux, ``numpy/.dylibs`` on macOS): an OpenBLAS preloaded for MLX is not.
+    """
+    import numpy
+    from threadpoolctl import ThreadpoolController
+
+    numpy_root = os.path.dirname(os.path.dirname(os.path.realpath(numpy.__file__)))
+    capped = 0
+    for library in ThreadpoolController().select(user_api="blas").lib_controllers:
+        path = os.path.realpath(library.filepath or "")
+        if os.path.basename(os.path.dirname(path)) in ("numpy.libs", ".dylibs") and \
+                path.startswith(numpy_root):
+            library.set_num_threads(threads)
+            capped += 1
+    logger.debug("NumPy's BLAS: %d librar%s capped at %d thread(s)", capped,
+                 "y" if capped == 1 else "ies", threads)
+    return capped

@@ -109,3 +109,14 @@ def test_the_header_only_stream_leaves_the_data_bytes_as_found():
     data = bytearray(b"\xaa" * 16)
     assert stream.readinto(data) == 16 and data == bytearray(b"\xaa" * 16)
     assert stream.readinto(bytearray(8)) == 0  # past the end
+
+
+def test_a_new_slab_is_advised_huge_pages_before_anything_writes_it(monkeypatch):
+    advised = []
+    monkeypatch.setattr(unfilled, "advise_huge_pages",
+                        lambda slab: advised.append((slab.ctypes.data, slab.nbytes)) or 0)
+    carver = SlabCarver(mx.new_stream(mx.cpu), slab_bytes=8 << 20)
+    (first,) = carver.buffers((1024,), np.dtype(np.float32), mx.float32, 1)
+    carver.buffers((1024,), np.dtype(np.float32), mx.float32, 1)  # same slab: not again
+    ((at, size),) = advised
+    assert size == 8 << 20 and at == first.ctypes.data

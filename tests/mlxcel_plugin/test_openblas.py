@@ -1,6 +1,12 @@
-"""The OpenBLAS re-exec environment: preload, and SkylakeX kernels where AVX-512 runs them."""
+"""The OpenBLAS re-exec environment (preload, SkylakeX kernels where AVX-512 runs them), and
+NumPy's own BLAS capped at one thread beside it."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +50,35 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx2\n")
     assert openblas.read_cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "avx2"}
     assert openblas.read_cpu_flags(str(tmp_path / "missing")) == set()
+
+
+NUMPY_BLAS_PROBE = """
+import json, sys
+import numpy
+from threadpoolctl import threadpool_info
+before = {i["filepath"]: i["num_threads"] for i in threadpool_info()}
+from mlxcel_plugin import openblas
+capped = openblas.limit_numpy_blas()
+after = {i["filepath"]: i["num_threads"] for i in threadpool_info()}
+print(json.dumps({"capped": capped, "before": before, "after": after}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="NumPy's Linux wheel bundles OpenBLAS")
+def test_numpy_blas_gets_one_thread_and_a_preloaded_openblas_keeps_its_own():
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+    library = openblas.find_openblas()
+    if library is not None:
+        env["LD_PRELOAD"] = library
+    done = subprocess.run([sys.executable, "-c", NUMPY_BLAS_PROBE], env=env, check=True,
+                          capture_output=True, text=True, timeout=120)
+    found = json.loads(done.stdout)
+    numpy_libs = [path for path in found["after"] if "numpy" in path]
+    assert found["capped"] == len(numpy_libs) == 1
+    assert found["after"][numpy_libs[0]] == 1
+    for path, threads in found["after"].items():
+        if path not in numpy_libs:  # the OpenBLAS under MLX: untouched
+            assert threads == found["before"][path] == 2
+    if library is not None:
+        assert len(found["after"]) == 2
