@@ -37,7 +37,7 @@ from mlxcel_plugin.kv_serde.errors import (
     TruncatedLayer,
     UnexpectedMessage,
 )
-from mlxcel_plugin.kv_serde.header import HandoffHeader, ModelFingerprint
+from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_ENCODED, HandoffHeader, ModelFingerprint
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.kv_serde.messages import (
     ChunkHeader,
@@ -242,7 +242,7 @@ class KVAssembler:
             raise UnexpectedMessage(f"more chunks than the {self._end.chunks} declared")
         # A crc taken as the body landed covers these rows' bytes only when it landed here.
         landed_crc = body_crc if in_place else None
-        if layer.tensor_filled(chunk.tensor, chunk.row, chunk.rows, landed_crc, len(body)):
+        if layer.tensor_filled(chunk.tensor, chunk.row, chunk.rows, landed_crc, body):
             self._tensor_complete(chunk.layer, layer, chunk.tensor)
 
     def _checked_chunk(self, chunk: ChunkHeader, body_bytes: int) -> ReceivedLayer:
@@ -334,6 +334,7 @@ class KVAssembler:
             tensors=dict(zip(spec.names, buffers, strict=True)),
             claimed={name: np.zeros(n, dtype=bool) for name, n in rows.items()},
             rows_left=dict(rows),
+            crc_of_bodies=self._begun().checksum_of == CHECKSUM_OF_ENCODED,
         )
         self._layers[index] = layer
         self.allocated_bytes += size

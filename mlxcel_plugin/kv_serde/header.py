@@ -25,6 +25,7 @@ from mlxcel_plugin.kv_serde.errors import (
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec, kv_layer, parse_layers
 from mlxcel_plugin.kv_serde.messages import KVMessage
+from mlxcel_plugin.link.protocol.checksum import crc32_combine
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
 from mlxcel_plugin.structured_output import MAX_GRAMMAR_CHARS
 
@@ -32,7 +33,15 @@ SERDE_VERSION = 1  # a full handoff
 # A delta handoff (``prefix_tokens`` > 0): a receiver older than it refuses it at the begin
 # (``handoff_unsupported_version``) instead of taking the shorter layers for the whole cache.
 DELTA_SERDE_VERSION = 2
-SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION)
+# ``checksum_of = "encoded"``: the end's checksums cover the chunk bodies as sent, not the
+# decoded bytes. A lossy codec's sender then need not decode its own output to know what the
+# receiver will hold, and two nodes whose float kernels round differently (int8's rotation is
+# a BLAS matmul) still agree. Sent only to peers that announce it (``kv_serde`` below); a node
+# that cannot combine crc32s of chunks arriving out of order does not.
+BODY_CHECKSUM_SERDE_VERSION = 3
+SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION) + (
+    (BODY_CHECKSUM_SERDE_VERSION,) if crc32_combine is not None else ())
+CHECKSUM_OF_HELD, CHECKSUM_OF_ENCODED = "held", "encoded"
 SUPPORTED_CACHE_KINDS = frozenset(
     {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache", "ChunkedKVCache"}
 )
@@ -249,6 +258,16 @@ def _prefix_tokens(data: Any, version: int, prompt_length: int, context: int) ->
     return prefix
 
 
+def _checksum_of(data: Any, version: int) -> str:
+    kind = data.get("checksum_of", CHECKSUM_OF_HELD)
+    if kind not in (CHECKSUM_OF_HELD, CHECKSUM_OF_ENCODED):
+        raise MalformedHandoff(f"checksum_of must be 'held' or 'encoded', got {kind!r:.40}")
+    if kind == CHECKSUM_OF_ENCODED and version < BODY_CHECKSUM_SERDE_VERSION:
+        raise MalformedHandoff(f"checksum_of 'encoded' needs serde version "
+                               f"{BODY_CHECKSUM_SERDE_VERSION}")
+    return kind
+
+
 @dataclass(frozen=True)
 class HandoffHeader:
     """The KV_BEGIN header.
@@ -277,6 +296,7 @@ class HandoffHeader:
     deadline_in_s: float | None = None
     version: int = SERDE_VERSION
     prefix_tokens: int = 0  # held by the receiver already; 0: a full handoff
+    checksum_of: str = CHECKSUM_OF_HELD  # what the end's crc32s cover (see above)
 
     @property
     def shipped_tokens(self) -> int:
@@ -285,6 +305,8 @@ class HandoffHeader:
 
     @property
     def wire_version(self) -> int:
+        if self.checksum_of == CHECKSUM_OF_ENCODED:
+            return max(self.version, BODY_CHECKSUM_SERDE_VERSION)
         return max(self.version, DELTA_SERDE_VERSION) if self.prefix_tokens else self.version
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,6 +325,8 @@ class HandoffHeader:
         }
         if self.prefix_tokens:  # absent means 0: a full handoff keeps its bytes
             data["prefix_tokens"] = self.prefix_tokens
+        if self.checksum_of != CHECKSUM_OF_HELD:  # absent means held: the first format
+            data["checksum_of"] = self.checksum_of
         return data
 
     def to_message(self) -> KVMessage:
@@ -343,6 +367,7 @@ class HandoffHeader:
             deadline_in_s=f.get_optional_float(data, "deadline_in_s", 0.0, 1e9),
             version=version,
             prefix_tokens=prefix,
+            checksum_of=_checksum_of(data, version),
         )
 
     def to_request(self) -> GenerationRequest:

@@ -10,6 +10,7 @@ after the whole cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class ReceivedLayer:
     # tensor -> {row: (crc32, bytes)} of chunks whose crc was taken as they landed in place.
     landed_crcs: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
     adopted: CacheLayer | None = None
+    # The sender's checksums cover chunk bodies as sent (``checksum_of = "encoded"``).
+    crc_of_bodies: bool = False
 
     @property
     def complete(self) -> bool:
@@ -52,15 +55,18 @@ class ReceivedLayer:
         return memoryview(flat[row : row + rows]).cast("B")
 
     def tensor_filled(self, tensor: str, row: int, rows: int, landed_crc: int | None = None,
-                      nbytes: int = 0) -> bool:
+                      body: Any = b"") -> bool:
         """Count rows ``[row, row + rows)`` of ``tensor`` in; True when it just became whole.
 
-        ``landed_crc`` is those rows' crc32 (``nbytes`` long), taken where they
-        landed in this layer's buffer; when every chunk of a tensor has one,
-        its checksum is combined from them instead of reading the tensor again.
+        ``landed_crc`` is the crc32 of ``body``, taken where it landed in this
+        layer's buffer; when every chunk of a tensor has one, its checksum is
+        combined from them instead of reading the tensor again. Checksums of
+        bodies (``crc_of_bodies``) are always combined from the chunks' bodies.
         """
+        if self.crc_of_bodies and landed_crc is None:
+            landed_crc = crc32(body)
         if landed_crc is not None:
-            self.landed_crcs.setdefault(tensor, {})[row] = (landed_crc, nbytes)
+            self.landed_crcs.setdefault(tensor, {})[row] = (landed_crc, len(body))
         self.rows_left[tensor] -= rows
         if self.rows_left[tensor]:
             return False
@@ -71,7 +77,8 @@ class ReceivedLayer:
     def _tensor_crc(self, tensor: str) -> int:
         data = memoryview(self.tensors[tensor]).cast("B")
         landed = self.landed_crcs.pop(tensor, {})
-        if crc32_combine is None or sum(n for _, n in landed.values()) != data.nbytes:
+        whole = sum(n for _, n in landed.values()) == data.nbytes
+        if crc32_combine is None or not (whole or self.crc_of_bodies):
             return crc32(data)
         crc = 0
         for _, (part_crc, nbytes) in sorted(landed.items()):  # in row order

@@ -19,7 +19,11 @@ from mlxcel_plugin.kv_serde.errors import (
     UnexpectedMessage,
     UnsupportedCacheKind,
 )
-from mlxcel_plugin.kv_serde.header import SUPPORTED_CACHE_KINDS, HandoffHeader
+from mlxcel_plugin.kv_serde.header import (
+    CHECKSUM_OF_ENCODED,
+    SUPPORTED_CACHE_KINDS,
+    HandoffHeader,
+)
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec, LayerSpec
 from mlxcel_plugin.kv_serde.messages import (
     ChunkHeader,
@@ -67,6 +71,7 @@ class KVWriter:
         self.raw_bytes = 0
         self.encoded_bytes = 0
         self._checksums: dict[int, tuple[int, int]] = {}
+        self._crc_of_bodies = header.checksum_of == CHECKSUM_OF_ENCODED
 
     def begin(self) -> KVMessage:
         return self.header.to_message()
@@ -145,7 +150,8 @@ class KVWriter:
                 raise OversizeDeclared(
                     f"{self.codec.name} chunk of {len(body)} bytes exceeds {self.max_body_bytes}"
                 )
-            crc = crc32(self._held_bytes(part, body, meta) if spec.coded else body, crc)
+            over_body = not spec.coded or self._crc_of_bodies
+            crc = crc32(body if over_body else self._held_bytes(part, body, meta), crc)
             header = ChunkHeader(
                 self.header.handoff_id,
                 self.header.epoch,

@@ -31,7 +31,7 @@ from mlxcel_plugin.link import (
     dial_with_backoff,
 )
 from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType
-from mlxcel_plugin.nodes.kv_wire import frames_for
+from mlxcel_plugin.nodes.kv_wire import announced_serde_versions, frames_for
 from mlxcel_plugin.transfer import TransferStrategy
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class DecodeLinks:
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiting: dict[tuple[str, str, int], OutgoingHandoff] = {}
         self._readers: set[asyncio.Task[None]] = set()
+        self._serde_versions: dict[str, frozenset[int]] = {}  # target -> what it announced
 
     def start(self, handoff: OutgoingHandoff, lanes: int) -> None:
         self._waiting[handoff.key] = handoff
@@ -216,10 +217,16 @@ class DecodeLinks:
             self._links[target] = links
             return links[:count]
 
+    def speaks(self, target: str, serde_version: int) -> bool:
+        """Whether ``target`` announced ``serde_version`` on a link dialed to it (False before
+        any link: a first handoff keeps to the oldest format its content allows)."""
+        return serde_version in self._serde_versions.get(target, frozenset())
+
     async def _dial(self, target: str) -> Link:
         link = await dial_with_backoff(target, self._secret, "prefill", self._node_id,
                                        expect_roles={"decode"}, config=self._config,
                                        backoff=_DIAL_BACKOFF, max_attempts=DIAL_ATTEMPTS)
+        self._serde_versions[target] = announced_serde_versions(link.peer_announce)
         task = asyncio.create_task(self._read(target, link), name="kv-ack-reader")
         self._readers.add(task)
         task.add_done_callback(self._readers.discard)

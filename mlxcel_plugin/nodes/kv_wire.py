@@ -14,10 +14,11 @@ node continues from travels with the end (EndHeader ignores the extra key).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
+from mlxcel_plugin.kv_serde.header import SUPPORTED_SERDE_VERSIONS
 from mlxcel_plugin.link.protocol.frames import Body, BodyParts, Frame, FrameType, kv_frame
 
 KIND_TO_TYPE = {
@@ -188,3 +189,21 @@ def end_first_token(frame: Frame) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
         raise MalformedHandoff("KV_END first_token must be a token id")
     return value
+
+
+# A node announces the handoff serde versions it takes in its link verdict
+# (``Link.peer_announce``), so a sender uses a newer format only towards peers that read it.
+KV_SERDE_ANNOUNCE = "kv_serde"
+
+
+def announce_serde_versions() -> str:
+    return ",".join(str(version) for version in SUPPORTED_SERDE_VERSIONS)
+
+
+def announced_serde_versions(announce: Mapping[str, str]) -> frozenset[int]:
+    """The versions a peer announced; none from a peer older than the announcement."""
+    found = set()
+    for part in announce.get(KV_SERDE_ANNOUNCE, "").split(",")[:16]:
+        if part.strip().isdigit():
+            found.add(int(part))
+    return frozenset(found)

@@ -24,6 +24,11 @@ from mlxcel_plugin.engine_api import PrefillResult
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
+from mlxcel_plugin.kv_serde.header import (
+    BODY_CHECKSUM_SERDE_VERSION,
+    CHECKSUM_OF_ENCODED,
+    CHECKSUM_OF_HELD,
+)
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
     ErrorFrame,
@@ -102,9 +107,9 @@ class PrefillNode:
                 "transfer": {"last_choice": self.last_choice,
                              "bandwidth_bytes_per_s": self.bandwidth.snapshot()}}
 
-    def _record_choice(self, job: NodeJob, choice: Any) -> None:
+    def _record_choice(self, job: NodeJob, choice: Any, checksum_of: str) -> None:
         """Make the adaptive choice and the estimate behind it visible: log, metric, health."""
-        self.last_choice = {**choice.as_dict(), "target": job.target}
+        self.last_choice = {**choice.as_dict(), "target": job.target, "checksum_of": checksum_of}
         self.metrics.handoff_choices.labels(strategy=choice.strategy, codec=choice.codec).inc()
         logger.debug("%s: handoff %s -> %s: %s", self.node_id, job.request_id, job.target,
                      self.last_choice)
@@ -178,14 +183,23 @@ class PrefillNode:
         elif job.handoff is not None:
             job.handoff.add_layer(index, payload)
 
-    def _header(self, job: NodeJob, epoch: int, first_token: int) -> HandoffHeader:
+    def _header(self, job: NodeJob, epoch: int, first_token: int, codec: str) -> HandoffHeader:
         return HandoffHeader(
             request_id=job.request_id, handoff_id=job.handoff_id, epoch=epoch,
             fingerprint=self.fingerprint, prompt_length=len(job.request.prompt_tokens),
             first_token=first_token, sampling=SerializableSamplingState.from_request(job.request),
             deadline_in_s=self.parts.transfer_config.transfer_timeout_s,
-            prefix_tokens=job.prefix_tokens,
+            prefix_tokens=job.prefix_tokens, checksum_of=self._checksum_of(job.target, codec),
         )
+
+    def _checksum_of(self, target: str, codec: str) -> str:
+        """A lossy codec's checksums cover the bodies sent, where the target reads that: the
+        sender then skips decoding its own output, and nodes rounding floats differently agree."""
+        chosen = self.parts.codecs.get(codec)
+        lossy = chosen is not None and not chosen.lossless
+        if lossy and self.links.speaks(target, BODY_CHECKSUM_SERDE_VERSION):
+            return CHECKSUM_OF_ENCODED
+        return CHECKSUM_OF_HELD
 
     def _begin_handoff(self, job: NodeJob, epoch: int, streaming: bool,
                        first_token: int = 0) -> OutgoingHandoff:
@@ -193,13 +207,14 @@ class PrefillNode:
         choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
                                       lanes_available=self.parts.transfer_config.parallelism,
                                       can_stream=streaming)
-        self._record_choice(job, choice)
         job.choice = choice
         strategy = make_strategy(choice.strategy, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
                                  chunk_bytes=self.parts.transfer_config.chunk_bytes,
                                  lanes=choice.lanes)
-        handoff = OutgoingHandoff(self._header(job, epoch, first_token), strategy, job.target)
+        header = self._header(job, epoch, first_token, choice.codec)
+        self._record_choice(job, choice, header.checksum_of)
+        handoff = OutgoingHandoff(header, strategy, job.target)
         handoff.push(strategy.start(handoff.header))
         self.links.start(handoff, choice.lanes if streaming else 1)
         return handoff

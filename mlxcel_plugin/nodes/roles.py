@@ -26,6 +26,7 @@ from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
+from mlxcel_plugin.nodes.kv_wire import KV_SERDE_ANNOUNCE, announce_serde_versions
 from mlxcel_plugin.nodes.mdns_advert import advertise
 from mlxcel_plugin.nodes.ops_server import OpsRoutes, OpsServer
 from mlxcel_plugin.nodes.prefill_node import PrefillNode, PrefillNodeParts
@@ -201,9 +202,10 @@ async def _drained(node: PrefillNode | DecodeNode, settings: NodeSettings,
 
 
 def _announce(config: ServerConfig) -> dict[str, str]:
-    """What every peer reads in this node's verdict: the model it serves, when known."""
+    """What every peer reads in this node's verdict: the model it serves (when known) and the
+    handoff serde versions it takes."""
     model = model_fingerprint(config.model)
-    return {"model": model} if model else {}
+    return {**({"model": model} if model else {}), KV_SERDE_ANNOUNCE: announce_serde_versions()}
 
 
 async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engine: Engine,

@@ -128,6 +128,9 @@ def mlx_nodes(tmp_path_factory, tiny_model_path) -> Iterator[dict]:
                 "chunk_bytes = 65536\n")
         prefills[(strategy, codec)] = nodes.start("prefill", f"prefill-{strategy}-{codec}",
                                                   model, toml)
+    prefills[("full", "int8")] = nodes.start("prefill", "prefill-full-int8", model,
+                                             '[transfer]\nstrategy = "full"\ncodec = "int8"\n'
+                                             "allow_lossy = true\nchunk_bytes = 65536\n")
     try:
         nodes.wait_all()
         yield {"nodes": nodes, "decode": decode, "prefills": prefills}
@@ -179,6 +182,23 @@ def test_greedy_output_matches_hybrid(mlx_nodes, expected, strategy, codec):
     assert health(prefill)["transfer"]["last_choice"]["codec"] == codec
     chosen = f'mlxcel:handoff_choices_total{{codec="{codec}",strategy="{strategy}"}}'
     assert chosen in metrics(prefill)
+
+
+def test_int8_handoffs_checksum_their_bodies_once_the_decode_node_announced_it(mlx_nodes):
+    """The first handoff dials the link (the decode node's serde versions not yet known) and
+    keeps the first format; the next, over that link, checksums the int8 bodies as sent."""
+    prefill = mlx_nodes["prefills"][("full", "int8")]
+
+    async def one(request_id: str) -> dict:
+        async with driver(mlx_nodes["nodes"], prefill, mlx_nodes["decode"]) as link_driver:
+            outcome = await link_driver.generate(request_id, prompt_of(700, 3), 6)
+        assert outcome.ok and len(outcome.tokens) == 6, outcome
+        return health(prefill)["transfer"]["last_choice"]
+
+    first, second = run(one("int8-1")), run(one("int8-2"))
+    assert (first["codec"], first["checksum_of"]) == ("int8", "held")
+    assert (second["codec"], second["checksum_of"]) == ("int8", "encoded")
+    assert 'mlxcel:handoff_choices_total{codec="int8",strategy="full"} 2.0' in metrics(prefill)
 
 
 def test_seeded_sampling_matches_hybrid(mlx_nodes, expected):

@@ -63,8 +63,10 @@ def test_rank_0_of_a_hostfile_serves_with_the_ring_in_its_env(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch):
     hosts = tmp_path / "hosts.json"
     hosts.write_text("[]")
-    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
-    monkeypatch.delenv("MLX_RANK", raising=False)
+    # prepare_ranks writes os.environ: give it a copy, so no later test in this process
+    # finds a ring hostfile (the engine would then join a ring of none).
+    ring_free = {k: v for k, v in os.environ.items() if k not in ("MLX_HOSTFILE", "MLX_RANK")}
+    monkeypatch.setattr(os, "environ", ring_free)
     shard_ranks.prepare_ranks(config(shard_hostfile=str(hosts), model=str(tmp_path)))
     assert os.environ["MLX_HOSTFILE"] == str(hosts) and os.environ["MLX_RANK"] == "0"
 

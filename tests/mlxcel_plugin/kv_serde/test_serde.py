@@ -425,7 +425,7 @@ def test_refuses_another_request():
 def test_refuses_an_unknown_serde_version():
     messages, _ = messages_for()
     with pytest.raises(UnsupportedHandoffVersion):
-        KVAssembler(FP, CODECS).feed(with_header(messages[0], version=3))
+        KVAssembler(FP, CODECS).feed(with_header(messages[0], version=4))
 
 
 def test_refuses_a_chunk_before_begin():
