@@ -15,13 +15,13 @@ works as before. ``MLXCEL_HUGE_PAGES=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
-import sys
 
 import numpy as np
+
+from mlxcel_plugin.libc import linux_libc
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +51,7 @@ def advise_huge_pages(buffer: np.ndarray) -> int:
 
 @functools.cache
 def _madvise():  # noqa: ANN202 - a ctypes function or None
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        function = ctypes.CDLL(name, use_errno=True).madvise if name else None
-    except (OSError, AttributeError):
-        return None
+    function = getattr(linux_libc(), "madvise", None)
     if function is not None:
         function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         function.restype = ctypes.c_int

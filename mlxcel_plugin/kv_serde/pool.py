@@ -19,13 +19,13 @@ handoffs keep coming; held after load they are only RSS.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import sys
 
 import numpy as np
+
+from mlxcel_plugin.libc import linux_libc
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +143,4 @@ def give_back_to_os() -> None:
 
 
 def _malloc_trim():  # noqa: ANN202 - a ctypes function or None
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
+    return getattr(linux_libc(), "malloc_trim", None)
