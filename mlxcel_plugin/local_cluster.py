@@ -36,21 +36,49 @@ STOP_TIMEOUT_S = 40.0
 # connection's local end) can be the one we picked.
 _PICK_PORTS = range(20000, 32768)
 _PICK_ATTEMPTS = 64
+# Every port this process handed out: a port is free again the moment free_port's probe
+# socket closes, so without this two nodes of one cluster could be given the same port
+# and the second would fail to bind (EADDRINUSE) at start-up.
+_handed_out: set[int] = set()
+
+
+def _pick_ports() -> range:
+    """``_PICK_PORTS`` less whatever this host's kernel uses as ephemeral ports (Linux)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _PICK_PORTS
+    if low >= _PICK_PORTS.stop or high < _PICK_PORTS.start:
+        return _PICK_PORTS
+    below, above = range(_PICK_PORTS.start, low), range(high + 1, 65536)
+    return below if len(below) >= len(above) else above
 
 
 def free_port() -> int:
-    """A loopback port free now, for a node started next to bind."""
+    """A loopback port free now and never handed out before, for a node started next to bind."""
+    ports = _pick_ports()
     for _ in range(_PICK_ATTEMPTS):  # bounded: a few ports in the range are ever taken
-        port = random.choice(_PICK_PORTS)
+        port = random.choice(ports)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    for _ in range(_PICK_ATTEMPTS):  # that range is busy here: let the kernel pick
         with socket.socket() as sock:
-            try:
-                sock.bind((LOOPBACK, port))
-            except OSError:
-                continue
-        return port
-    with socket.socket() as sock:  # that range is busy here: let the kernel pick
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+            sock.bind((LOOPBACK, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free port on {LOOPBACK} after {2 * _PICK_ATTEMPTS} tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
 
 
 def http_get_json(url: str, timeout_s: float = 2.0) -> dict:

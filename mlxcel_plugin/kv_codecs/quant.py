@@ -73,6 +73,7 @@ from mlxcel_plugin.kv_codecs.floats import (
     to_float32,
 )
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
+from mlxcel_plugin.kv_codecs.quant_blocks import block_starts, column_extent, shifted
 from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat, effective_group
 from mlxcel_plugin.kv_codecs.rotation import MAX_BLOCK, rotate, rotation_block
 
@@ -146,22 +147,47 @@ class GroupQuantCodec:
         fmt = self.chunk_format(head_dim, layout)
         rows = array.size // head_dim
         array = array.reshape(rows, head_dim)
-        exact, groups = fmt.split(rows, head_dim)
-        exact_part = array[exact].tobytes() if exact is not None else b""
-        quantized = array[~exact] if exact is not None else array
-        values = to_float32(quantized, dtype)
-        encoded = self._encode_rows(values, groups, fmt, dtype) if fmt.rotation else None
+        starts = block_starts(fmt, rows, head_dim)
+        encoded = self._encode_blocks(array, fmt, dtype, starts) if fmt.rotation else None
         if encoded is None:
             fmt = replace(fmt, rotation=0)
-            encoded = self._encode_rows(values, groups, fmt, dtype)
-        body = exact_part + b"".join(encoded[1:])
+            encoded = self._encode_blocks(array, fmt, dtype, starts)
+        kind, body = encoded
         meta = fmt.to_meta()
-        if encoded[0] != SCALE_F4:
-            meta["s"] = encoded[0]
+        if kind != SCALE_F4:
+            meta["s"] = kind
         return body, meta
 
+    def _encode_blocks(
+        self, array: np.ndarray, fmt: ChunkFormat, dtype: str, starts: list[int]
+    ) -> tuple[str, bytes] | None:
+        """(scale kind, body) of the chunk, encoded block by block (``quant_blocks``);
+        None as ``_encode_rows``."""
+        rows, head_dim = array.shape
+        checked = fmt.rotation and fmt.along_tokens
+        extent = column_extent(array, fmt, dtype) if checked else None
+        sections = []
+        for start, stop in zip(starts, [*starts[1:], rows], strict=True):
+            block_fmt, block = shifted(fmt, start), array[start:stop]
+            exact, groups = block_fmt.split(stop - start, head_dim)
+            exact_part = block[exact].tobytes() if exact is not None else b""
+            values = to_float32(block[~exact] if exact is not None else block, dtype)
+            encoded = self._encode_rows(values, groups, block_fmt, dtype, extent)
+            if encoded is None:
+                return None
+            sections.append((encoded[0], exact_part, *encoded[1:]))
+        if len({section[0] for section in sections}) > 1:  # scales narrowed unlike: one pass
+            return self._encode_blocks(array, fmt, dtype, [0])
+        parts = zip(*(section[1:] for section in sections), strict=True)  # by section
+        return sections[0][0], b"".join(b"".join(part) for part in parts)
+
     def _encode_rows(
-        self, values: np.ndarray, groups: DimGroups | TokenGroups, fmt: ChunkFormat, dtype: str
+        self,
+        values: np.ndarray,
+        groups: DimGroups | TokenGroups,
+        fmt: ChunkFormat,
+        dtype: str,
+        column_extent: np.ndarray | None = None,
     ) -> tuple[str, bytes, bytes, bytes] | None:
         """(scale kind, minimums, scales, codes) of the quantized rows; None where a rotation
         does not fit ``dtype`` or (keys) breaks the error bound: then send them unrotated."""
@@ -178,18 +204,21 @@ class GroupQuantCodec:
             # A rotated channel mixes every channel of its block over a token run, so a
             # quiet element's error follows the loudest: check it against the bound.
             decoded = groups.view(codes) * groups.expand(scales) + groups.expand(minimums)
-            if not self._within_rotated_bound(values, decoded - work, fmt.rotation):
+            error = decoded - work
+            if not self._within_rotated_bound(values, error, fmt.rotation, column_extent):
                 return None
         minimum_part = stored_minimums.tobytes() if fmt.asymmetric else b""
         return kind, minimum_part, stored.tobytes(), self._pack(codes, fmt.asymmetric)
 
-    def _within_rotated_bound(self, values: np.ndarray, error: np.ndarray, block: int) -> bool:
-        """Every element's error within ``rotated_error`` of its row's or column's max |x|."""
+    def _within_rotated_bound(
+        self, values: np.ndarray, error: np.ndarray, block: int, column_extent: np.ndarray
+    ) -> bool:
+        """Every element's error within ``rotated_error`` of its row's or column's max |x|
+        (``column_extent``: over the whole chunk)."""
         if not values.size:
             return True
         error = np.abs(rotate(error.reshape(values.shape), block))
-        magnitude = np.abs(values)
-        extent = np.maximum(magnitude.max(axis=1, keepdims=True), magnitude.max(axis=0))
+        extent = np.maximum(np.abs(values).max(axis=1, keepdims=True), column_extent)
         return bool(np.all(error <= self.rotated_error * extent))
 
     def _group_ranges(

@@ -1,4 +1,4 @@
-"""free_port: picks outside the kernel's ephemeral range, so nothing else grabs it first."""
+"""free_port: outside the kernel's ephemeral range, and never the same port twice."""
 
 import socket
 
@@ -21,3 +21,30 @@ def test_a_busy_range_falls_back_to_a_kernel_pick(monkeypatch):
         monkeypatch.setattr(local_cluster, "_PICK_PORTS", range(busy, busy + 1))
         port = free_port()
         assert port != busy and port > 0
+
+
+def test_a_port_is_never_handed_out_twice(monkeypatch):
+    """Two nodes of one cluster asked for ports before either bound: never the same one."""
+    monkeypatch.setattr(local_cluster, "_PICK_PORTS", range(21000, 21004))
+    monkeypatch.setattr(local_cluster, "_handed_out", set())
+    monkeypatch.setattr(local_cluster, "_pick_ports", lambda: local_cluster._PICK_PORTS)
+    ports = [free_port() for _ in range(4)]
+    assert sorted(ports) == [21000, 21001, 21002, 21003]
+    fallback = free_port()  # the range is used up: the kernel's pick, also new
+    assert fallback not in ports
+
+
+def test_the_pick_avoids_the_kernels_ephemeral_range(monkeypatch, tmp_path):
+    proc = tmp_path / "ip_local_port_range"
+    real_path = local_cluster.Path
+
+    def fake_path(name):
+        return proc if name == "/proc/sys/net/ipv4/ip_local_port_range" else real_path(name)
+
+    monkeypatch.setattr(local_cluster, "Path", fake_path)
+    proc.write_text("1024\t65000\n")
+    assert local_cluster._pick_ports() == range(65001, 65536)
+    proc.write_text("32768\t60999\n")
+    assert local_cluster._pick_ports() == local_cluster._PICK_PORTS
+    proc.write_text("25000\t60999\n")
+    assert local_cluster._pick_ports() == range(20000, 25000)

@@ -1,0 +1,68 @@
+"""Splitting one group-quantized chunk into row blocks that encode one at a time.
+
+Why: the key encoder makes several passes over a chunk's rows (rotation, group ranges,
+codes, the rotated-error check). A 2k-token SmolLM2 layer tensor is 1.5 MiB of float32,
+beyond a core's L2, so every pass went to memory; blocks of ~512 KiB stay in cache and
+encoded 2.5-3x faster (measured, one x86 core, keys and values alike).
+
+A block boundary is always a group boundary of the whole chunk (and, for int4, falls
+after an even number of codes), so each block encodes exactly as a chunk of its own
+would, starting at that row: the chunk's body is the blocks' sections joined section by
+section (exact rows, minimums, scales, codes), the same format a single pass writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mlxcel_plugin.kv_codecs.floats import to_float32
+from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat
+
+BLOCK_BYTES = 512 * 1024  # of float32 work values per block
+
+
+def block_starts(fmt: ChunkFormat, rows: int, head_dim: int) -> list[int]:
+    """Row offsets of the blocks (``[0]``: encode the chunk in one pass)."""
+    target = max(1, BLOCK_BYTES // (4 * max(head_dim, 1)))
+    if rows <= target or head_dim % 2:  # odd head_dim: int4 codes would not pack per block
+        return [0]
+    candidates = _group_boundaries(fmt, rows)
+    starts = [0]
+    while starts[-1] + target < rows:  # bounded: every round moves past a candidate
+        reach = np.searchsorted(candidates, starts[-1] + target, side="right") - 1
+        if reach < 0 or candidates[reach] <= starts[-1]:  # none within reach: the next one
+            reach = np.searchsorted(candidates, starts[-1], side="right")
+        if reach >= candidates.size:
+            break
+        starts.append(int(candidates[reach]))
+    return starts
+
+
+def shifted(fmt: ChunkFormat, row: int) -> ChunkFormat:
+    """The format of the chunk's rows from ``row`` on, seen as a chunk of their own."""
+    if fmt.span is None or not row:
+        return fmt
+    span = dataclasses.replace(fmt.span, first=(fmt.span.first + row) % fmt.span.tokens)
+    return dataclasses.replace(fmt, span=span)
+
+
+def column_extent(array: np.ndarray, fmt: ChunkFormat, dtype: str) -> np.ndarray:
+    """Each channel's max |x| over the chunk's quantized rows: what the rotated-error check
+    of every block compares against, so blocking does not change what the check accepts."""
+    exact, _ = fmt.split(*array.shape)
+    values = to_float32(array[~exact] if exact is not None else array, dtype)
+    return np.abs(values).max(axis=0, initial=0.0)
+
+
+def _group_boundaries(fmt: ChunkFormat, rows: int) -> np.ndarray:
+    """Rows (ascending, past 0) where a group of the whole chunk starts."""
+    if not fmt.along_tokens:  # groups within a row: any row starts one
+        return np.arange(1, rows)
+    span = fmt.span
+    positions = span.positions(rows)
+    past_exact = positions - span.exact
+    starts = (positions == 0) | ((past_exact >= 0) & (past_exact % fmt.group == 0))
+    starts[0] = False
+    return np.flatnonzero(starts)
