@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mlxcel_plugin.engine_api import PrefillResult
@@ -80,6 +81,8 @@ class PrefillNode:
         self._engine_events: EngineMailbox[tuple[NodeJob, int | None, Any]] | None = None
         self._prompt_tokens = 0
         self._since_s = time.monotonic()
+        # Encodes handoffs (the strategies' calls) off the event loop, one step at a time.
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-encode")
 
     # -- state readers -----------------------------------------------------------------
 
@@ -214,7 +217,7 @@ class PrefillNode:
                                  lanes=choice.lanes)
         header = self._header(job, epoch, first_token, choice.codec)
         self._record_choice(job, choice, header.checksum_of)
-        handoff = OutgoingHandoff(header, strategy, job.target)
+        handoff = OutgoingHandoff(header, strategy, job.target, encoder=self.encoder)
         handoff.push(strategy.start(handoff.header))
         self.links.start(handoff, choice.lanes if streaming else 1)
         return handoff
@@ -378,4 +381,5 @@ class PrefillNode:
             self.cancel(request_id, "node shutting down")
         for task in list(self._tasks):
             task.cancel()
+        self.encoder.shutdown(wait=False, cancel_futures=True)
         await self.links.close()

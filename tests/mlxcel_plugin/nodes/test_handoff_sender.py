@@ -1,9 +1,14 @@
-"""OutgoingHandoff: each lane sends its frames in order, and a stalled lane holds up only itself."""
+"""OutgoingHandoff: lanes send in order, a stalled lane holds up only itself, the encoder
+thread runs the strategy off the event loop."""
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.kv_codecs import CodecError
 from mlxcel_plugin.link import LinkClosed
 from mlxcel_plugin.link.protocol.frames import FrameType
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff, TargetLost
@@ -132,5 +137,100 @@ def test_a_lane_that_fills_up_midway_still_sends_its_frames_in_order():
         await settle()
         assert filling.chunk_layers() == [0, 0, 2, 2, 4, 4]
         assert filling.frames[-1].type is FrameType.KV_END
+
+    asyncio.run(scenario())
+
+
+class RecordingStrategy(LayerParallelTransfer):
+    """Records which thread each call ran on; ``fail_at`` raises on that layer."""
+
+    def __init__(self, options, fail_at=None, error=None):
+        super().__init__(options)
+        self.threads, self.encoded, self.fail_at, self.error = [], [], fail_at, error
+
+    def add_layer(self, index, layer):
+        self.threads.append(threading.get_ident())
+        if index == self.fail_at:
+            raise self.error
+        self.encoded.append(index)
+        return super().add_layer(index, layer)
+
+    def finish(self):
+        self.threads.append(threading.get_ident())
+        return super().finish()
+
+
+def encoded_handoff(encoder, lane, **strategy_kwargs):
+    fingerprint = make_fingerprint(num_layers=6)
+    cache = make_cache(fingerprint, 40, seed=3)
+    strategy = RecordingStrategy(StrategyOptions(lanes=1), **strategy_kwargs)
+    handoff = OutgoingHandoff(make_header(fingerprint, 40), strategy, "decode-1", encoder=encoder)
+    handoff.push(strategy.start(handoff.header))
+
+    async def ready():
+        return [lane]
+
+    handoff.run(asyncio.ensure_future(ready()))
+    return handoff, cache, strategy
+
+
+async def until(condition, timeout_s=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():  # bounded by the deadline
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_the_encoder_thread_runs_the_strategy_and_the_frames_keep_their_order():
+    async def scenario():
+        lane = FakeLane()
+        with ThreadPoolExecutor(1) as encoder:
+            handoff, cache, strategy = encoded_handoff(encoder, lane)
+            for index, layer in enumerate(cache.layers):
+                handoff.add_layer(index, layer)
+            handoff.finish(first_token=7)
+            await until(lambda: lane.frames and lane.frames[-1].type is FrameType.KV_END)
+        loop_thread = threading.get_ident()
+        assert strategy.threads and loop_thread not in strategy.threads
+        assert lane.frames[0].type is FrameType.KV_BEGIN
+        assert lane.chunk_layers() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+        assert lane.frames[-1].header["first_token"] == 7 and not handoff.ack.done()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("error", [CodecError("int8: tensor holds inf/nan, cannot quantize"),
+                                   ValueError("a plugin codec's own bug")])
+def test_an_encoding_failure_on_the_encoder_fails_that_handoff_with_a_named_error(error):
+    async def scenario():
+        lane = FakeLane()
+        with ThreadPoolExecutor(1) as encoder:
+            handoff, cache, strategy = encoded_handoff(encoder, lane, fail_at=2, error=error)
+            for index, layer in enumerate(cache.layers):
+                handoff.add_layer(index, layer)
+            handoff.finish(first_token=7)
+            with pytest.raises(HandoffError) as raised:
+                await asyncio.wait_for(handoff.ack, 5)
+        assert raised.value.code == (error.code if isinstance(error, HandoffError)
+                                     else "handoff_failed")
+        assert strategy.encoded == [0, 1]  # nothing after the failure was encoded
+        assert FrameType.KV_END not in [f.type for f in lane.frames]
+
+    asyncio.run(scenario())
+
+
+def test_layers_queued_behind_a_refusal_are_not_encoded():
+    async def scenario():
+        gate = threading.Event()
+        lane = FakeLane()
+        with ThreadPoolExecutor(1) as encoder:
+            handoff, cache, strategy = encoded_handoff(encoder, lane)
+            encoder.submit(gate.wait, 5)  # the encoder is busy with another handoff
+            for index, layer in enumerate(cache.layers):
+                handoff.add_layer(index, layer)
+            handoff.finish(first_token=7)
+            handoff.fail(HandoffError("refused by the decode node", code="at_capacity"))
+            gate.set()
+        assert strategy.encoded == [] and strategy.threads == []
 
     asyncio.run(scenario())
