@@ -104,7 +104,12 @@ class KVCodec(Protocol):
     def decode(
         self, data: Buffer, meta: Mapping[str, Any], shape: tuple[int, ...], dtype: str
     ) -> np.ndarray:
-        """Return an array of ``shape`` in the storage dtype of ``dtype``."""
+        """Return an array of ``shape`` in the storage dtype of ``dtype``.
+
+        A codec may also offer ``decode_into(data, meta, out, dtype)``, writing the rows
+        into ``out`` (a C-contiguous ``[rows, width]`` array of the storage dtype, the
+        receive buffer itself): the receiver then uses it instead, saving a copy.
+        """
         ...
 
 

@@ -21,7 +21,7 @@ def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
         # bf16 is the top half of an f32: shift the bits back into place.
         return (array.astype("<u4") << 16).view("<f4")
     if dtype in ("float16", "float32"):
-        return array.astype("<f4")
+        return array.astype("<f4", copy=False)  # callers never write into it
     raise CodecError(f"quantization needs a float tensor, got {dtype!r}")
 
 
@@ -31,7 +31,7 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
         # Round to nearest even on the 16 dropped bits, as MLX's own cast does.
         rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
         return rounded.astype("<u2")
-    return values.astype(storage_dtype(dtype))
+    return values.astype(storage_dtype(dtype), copy=False)
 
 
 def round_down(values: np.ndarray, dtype: str) -> np.ndarray:

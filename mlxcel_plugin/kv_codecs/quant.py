@@ -73,8 +73,20 @@ from mlxcel_plugin.kv_codecs.floats import (
     to_float32,
 )
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
-from mlxcel_plugin.kv_codecs.quant_blocks import block_starts, column_extent, shifted
-from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat, effective_group
+from mlxcel_plugin.kv_codecs.quant_blocks import (
+    BlockCursor,
+    block_starts,
+    column_extent,
+    place_rows,
+    shifted,
+)
+from mlxcel_plugin.kv_codecs.quant_format import (
+    ChunkFormat,
+    effective_group,
+    pack_codes,
+    unpack_codes,
+    widen_scales,
+)
 from mlxcel_plugin.kv_codecs.rotation import MAX_BLOCK, rotate, rotation_block
 
 # Re-exported: callers imported the float helpers from here before they had a module.
@@ -208,7 +220,7 @@ class GroupQuantCodec:
             if not self._within_rotated_bound(values, error, fmt.rotation, column_extent):
                 return None
         minimum_part = stored_minimums.tobytes() if fmt.asymmetric else b""
-        return kind, minimum_part, stored.tobytes(), self._pack(codes, fmt.asymmetric)
+        return kind, minimum_part, stored.tobytes(), pack_codes(codes, self.bits, fmt.asymmetric)
 
     def _within_rotated_bound(
         self, values: np.ndarray, error: np.ndarray, block: int, column_extent: np.ndarray
@@ -292,26 +304,46 @@ class GroupQuantCodec:
         count = math.prod(shape)
         if not head_dim or count % head_dim:
             raise CorruptChunk(f"{self.name}: cannot decode shape {shape}")
-        rows = count // head_dim
+        out = np.empty((count // head_dim, head_dim), dtype=storage_dtype(dtype))
+        self.decode_into(data, meta, out, dtype)
+        return out
+
+    def decode_into(self, data: Buffer, meta: Mapping[str, Any], out: np.ndarray,
+                    dtype: str) -> None:
+        """``decode`` straight into ``out`` ([rows, head_dim], the storage dtype): the
+        receiver's own rows, so no fresh array is faulted in and copied (``KVCodec``)."""
+        rows, head_dim = out.shape
+        count = rows * head_dim
         fmt = ChunkFormat.from_meta(meta, head_dim)
         scale_dtype = self._scale_dtype(meta, dtype)
         exact, groups = fmt.split(rows, head_dim)
         exact_count = int(exact.sum()) * head_dim if exact is not None else 0
         quantized = count - exact_count
         sections = self._sections(data, fmt, exact_count, groups, quantized, scale_dtype, dtype)
-        exact_rows, minimums, scales, packed = sections
-        scales = _widen(scales)
+        exact_values, minimums, scales, packed = sections
+        scales = widen_scales(scales)
         self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
-        codes = self._unpack(packed, quantized, fmt.asymmetric).astype("<f4")
-        values = groups.view(codes.reshape(-1, head_dim)) * groups.expand(scales)
-        if minimums is not None:
-            values += groups.expand(minimums)
+        codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
+        used = BlockCursor()
+        starts = block_starts(fmt, rows, head_dim)
+        for start, stop in zip(starts, [*starts[1:], rows], strict=True):  # as encode's blocks
+            block_fmt = shifted(fmt, start)
+            exact, groups = block_fmt.split(stop - start, head_dim)
+            exact_part, group_part, code_part = used.advance(exact, groups, stop - start, head_dim)
+            values = groups.view(codes[code_part].astype("<f4").reshape(-1, head_dim))
+            values = values * groups.expand(scales[group_part])
+            if minimums is not None:
+                values += groups.expand(minimums[group_part])
+            values = self._rotated_back(values.reshape(-1, head_dim), block_fmt, dtype)
+            place_rows(out[start:stop], exact, exact_values[exact_part], values, dtype)
+
+    def _rotated_back(self, values: np.ndarray, fmt: ChunkFormat, dtype: str) -> np.ndarray:
         if fmt.rotation:
-            values = rotate(values.reshape(-1, head_dim), fmt.rotation)
-        if minimums is not None or fmt.rotation:
+            values = rotate(values, fmt.rotation)
+        if fmt.asymmetric or fmt.rotation:  # a minimum or a rotation can leave the range
             limit = finite_max(dtype)
             np.clip(values, -limit, limit, out=values)
-        return self._assemble(exact, exact_rows, from_float32(values, dtype), rows, head_dim, dtype)
+        return values
 
     def _sections(
         self,
@@ -342,14 +374,6 @@ class GroupQuantCodec:
             minimums = to_float32(parts[1].view(storage_dtype(dtype)), dtype)
         return exact_values, minimums, parts[2].view(scale_dtype), parts[3]
 
-    def _assemble(self, exact, exact_rows, decoded, rows, head_dim, dtype) -> np.ndarray:
-        if exact is None:
-            return decoded.reshape(rows, head_dim)
-        out = np.empty((rows, head_dim), dtype=storage_dtype(dtype))
-        out[exact] = exact_rows.reshape(-1, head_dim)
-        out[~exact] = decoded.reshape(-1, head_dim)
-        return out
-
     def _scale_dtype(self, meta: Mapping[str, Any], dtype: str) -> np.dtype:
         kind = meta.get("s", SCALE_F4) if isinstance(meta, Mapping) else SCALE_F4
         allowed = {SCALE_F4, SCALE_F2 if dtype == "float16" else SCALE_BF16}
@@ -369,27 +393,3 @@ class GroupQuantCodec:
             ok = ok and bool(np.isfinite(minimums).all())
         if not ok:
             raise CorruptChunk(f"{self.name}: scales out of range for {dtype}")
-
-    def _pack(self, codes: np.ndarray, asymmetric: bool) -> bytes:
-        codes = codes.reshape(-1)
-        if self.bits == 8:
-            return codes.astype(np.uint8 if asymmetric else np.int8).tobytes()
-        nibbles = (codes if asymmetric else codes + 8).astype(np.uint8)
-        if nibbles.size % 2:
-            nibbles = np.append(nibbles, np.uint8(0 if asymmetric else 8))
-        return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
-
-    def _unpack(self, raw: np.ndarray, count: int, asymmetric: bool) -> np.ndarray:
-        if self.bits == 8:
-            return raw.view(np.uint8 if asymmetric else np.int8)
-        nibbles = np.empty(raw.size * 2, dtype=np.int8)
-        nibbles[0::2] = raw & 0x0F
-        nibbles[1::2] = raw >> 4
-        return nibbles[:count] if asymmetric else nibbles[:count] - 8
-
-
-def _widen(scales: np.ndarray) -> np.ndarray:
-    """Stored scales as float32 (bfloat16 ones are the top half of a float32)."""
-    if scales.dtype == np.dtype("<u2"):
-        return (scales.astype("<u4") << 16).view("<f4")
-    return scales.astype("<f4")

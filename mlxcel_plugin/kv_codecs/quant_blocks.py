@@ -9,6 +9,7 @@ A block boundary is always a group boundary of the whole chunk (and, for int4, f
 after an even number of codes), so each block encodes exactly as a chunk of its own
 would, starting at that row: the chunk's body is the blocks' sections joined section by
 section (exact rows, minimums, scales, codes), the same format a single pass writes.
+Decoding walks the same blocks (``BlockCursor``), for the same reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from mlxcel_plugin.kv_codecs.floats import to_float32
+from mlxcel_plugin.kv_codecs.floats import from_float32, to_float32
+from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
 from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat
 
 BLOCK_BYTES = 512 * 1024  # of float32 work values per block
@@ -54,6 +56,45 @@ def column_extent(array: np.ndarray, fmt: ChunkFormat, dtype: str) -> np.ndarray
     exact, _ = fmt.split(*array.shape)
     values = to_float32(array[~exact] if exact is not None else array, dtype)
     return np.abs(values).max(axis=0, initial=0.0)
+
+
+class BlockCursor:
+    """Where the next block's exact values, groups and codes start in their sections."""
+
+    def __init__(self) -> None:
+        self.exact = self.groups = self.codes = 0
+
+    def advance(
+        self, exact: np.ndarray | None, groups: DimGroups | TokenGroups, rows: int, head_dim: int
+    ) -> tuple[slice, slice, slice]:
+        """The block's slice of each section (exact values, minimums and scales, codes)."""
+        exact_rows = int(exact.sum()) if exact is not None else 0
+        sizes = (exact_rows * head_dim, groups.count, (rows - exact_rows) * head_dim)
+        parts = tuple(slice(at, at + size) for at, size in
+                      zip((self.exact, self.groups, self.codes), sizes, strict=True))
+        self.exact, self.groups, self.codes = (part.stop for part in parts)
+        return parts
+
+
+def place_rows(
+    out: np.ndarray, exact: np.ndarray | None, exact_values: np.ndarray, values: np.ndarray,
+    dtype: str,
+) -> None:
+    """Write one block's rows into ``out``: exact rows as they came, the others decoded.
+
+    Run by run (a head's first tokens are exact, the rest not): slices copy several times
+    faster than a boolean mask scatters."""
+    decoded = from_float32(values, dtype).reshape(-1, out.shape[1])
+    if exact is None:
+        out[...] = decoded
+        return
+    sources = (decoded, exact_values.reshape(-1, out.shape[1]))
+    used = [0, 0]
+    edges = [0, *(np.flatnonzero(exact[1:] != exact[:-1]) + 1).tolist(), exact.size]
+    for begin, end in zip(edges[:-1], edges[1:], strict=True):
+        kind = int(exact[begin])
+        out[begin:end] = sources[kind][used[kind] : used[kind] + end - begin]
+        used[kind] += end - begin
 
 
 def _group_boundaries(fmt: ChunkFormat, rows: int) -> np.ndarray:

@@ -89,3 +89,32 @@ def _meta_axis(meta: Mapping[str, Any]) -> bool:
 def _meta_span(meta: Mapping[str, Any]) -> TokenSpan:
     tokens = meta_int(meta, "t", 1, MAX_TOKENS_PER_HEAD)
     return TokenSpan(tokens, meta_int(meta, "r", 0, tokens - 1), meta_int(meta, "x", 0, tokens))
+
+
+def pack_codes(codes: np.ndarray, bits: int, asymmetric: bool) -> bytes:
+    """Codes as the body carries them: int8 as bytes (signed when symmetric), int4 two per
+    byte, even element in the low nibble (``code + 8`` when symmetric)."""
+    codes = codes.reshape(-1)
+    if bits == 8:
+        return codes.astype(np.uint8 if asymmetric else np.int8).tobytes()
+    nibbles = (codes if asymmetric else codes + 8).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0 if asymmetric else 8))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+
+def unpack_codes(raw: np.ndarray, count: int, bits: int, asymmetric: bool) -> np.ndarray:
+    """The ``count`` codes of a body's code section, as integers."""
+    if bits == 8:
+        return raw.view(np.uint8 if asymmetric else np.int8)
+    nibbles = np.empty(raw.size * 2, dtype=np.int8)
+    nibbles[0::2] = raw & 0x0F
+    nibbles[1::2] = raw >> 4
+    return nibbles[:count] if asymmetric else nibbles[:count] - 8
+
+
+def widen_scales(scales: np.ndarray) -> np.ndarray:
+    """Stored scales as float32 (bfloat16 ones are the top half of a float32)."""
+    if scales.dtype == np.dtype("<u2"):
+        return (scales.astype("<u4") << 16).view("<f4")
+    return scales.astype("<f4")

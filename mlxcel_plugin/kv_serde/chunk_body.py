@@ -26,13 +26,18 @@ def decode_chunk_into(
     ``CorruptChunk``: it fails this handoff only.
     """
     shape = (chunk.rows, spec.width)
+    # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
+    rows = tensor.reshape(-1, spec.width)[chunk.row : chunk.row + chunk.rows]
     if not spec.coded:
         if len(body) != chunk.rows * spec.row_bytes:
             raise CorruptChunk(f"raw chunk of {len(body)} bytes for {chunk.rows} rows")
-        tensor.reshape(-1, spec.width)[chunk.row : chunk.row + chunk.rows] = (
-            np.frombuffer(body, dtype=spec.storage).reshape(shape))
+        rows[...] = np.frombuffer(body, dtype=spec.storage).reshape(shape)
         return
+    into = getattr(codec, "decode_into", None)
     try:
+        if into is not None:  # straight into the receive buffer (``KVCodec.decode``)
+            into(body, chunk.codec_meta, rows, spec.dtype)
+            return
         decoded = codec.decode(body, chunk.codec_meta, shape, spec.dtype)
     except HandoffError:
         raise
@@ -42,8 +47,7 @@ def decode_chunk_into(
         raise CorruptChunk(f"codec {codec.name} returned the wrong shape")
     if decoded.dtype != tensor.dtype:
         raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {tensor.dtype}")
-    # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
-    tensor.reshape(-1, spec.width)[chunk.row : chunk.row + chunk.rows] = decoded
+    rows[...] = decoded
 
 
 def occupies(body: Any, dest: memoryview) -> bool:
