@@ -59,9 +59,8 @@ class OutgoingHandoff:
     strategy: TransferStrategy
     target: str
     started_s: float = field(default_factory=time.monotonic)
-    finished_s: float | None = None  # the cache was complete (prefill ended)
+    first_chunk_s: float | None = None  # the first chunk was handed to a link
     sent_bytes: int = 0
-    sent_by_finish_bytes: int = 0  # went out during prefill, at its pace rather than the link's
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
     first_token: int | None = None  # set by finish()
@@ -97,8 +96,6 @@ class OutgoingHandoff:
             self._plan(self._layer_messages, index, layer)
 
     def finish(self, first_token: int) -> None:
-        self.finished_s = time.monotonic()
-        self.sent_by_finish_bytes = self.sent_bytes
         self.first_token = first_token  # goes out with the end
         self._plan(self._final_messages)
 
@@ -158,7 +155,17 @@ class OutgoingHandoff:
 
     def _sent(self, frame: Frame) -> None:
         self.began = self.began or frame.type is FrameType.KV_BEGIN
+        if self.first_chunk_s is None and frame.type is FrameType.KV_CHUNK:
+            self.first_chunk_s = time.monotonic()
         self.sent_bytes += len(frame.body)
+
+    def transfer_seconds(self, acked_s: float) -> float:
+        """From the first chunk handed to a link to the ack: what the link rate is measured
+        over. Not from the end of prefill: "handed" is not "on the wire" (a link queues
+        megabytes), so a streamed handoff has handed nearly everything by then. Layers
+        come after prefill's last forward (engines/prefill.py), so the link, or an encoder
+        slower than it, is what paces the chunks from the first on."""
+        return acked_s - (self.first_chunk_s or self.started_s)
 
     def _lane_failed(self, exc: BaseException) -> None:
         self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))

@@ -274,11 +274,8 @@ class PrefillNode:
         elapsed = time.monotonic() - job.first_token_s
         self.metrics.handoff_time.observe(elapsed)
         self.metrics.handoff_bytes.observe(handoff.sent_bytes)
-        # Bytes and time from the end of prefill: what streamed during it went at prefill's
-        # pace, not the link's (counting its time makes a link look slow, its bytes fast).
-        transfer_s = time.monotonic() - (handoff.finished_s or handoff.started_s)
-        self.bandwidth.observe(job.target, handoff.sent_bytes - handoff.sent_by_finish_bytes,
-                               transfer_s)
+        self.bandwidth.observe(job.target, handoff.sent_bytes,
+                               handoff.transfer_seconds(time.monotonic()))
         if job.choice is not None:
             self.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
                                         handoff.sent_bytes)

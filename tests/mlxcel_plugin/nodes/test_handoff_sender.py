@@ -3,6 +3,7 @@ thread runs the strategy off the event loop."""
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -89,7 +90,7 @@ def test_a_stalled_lane_does_not_hold_up_the_others_and_each_lane_keeps_its_orde
     asyncio.run(scenario())
 
 
-def test_bytes_sent_before_the_cache_was_complete_are_told_apart():
+def test_the_link_is_timed_from_the_first_chunk_handed_to_it():
     async def scenario():
         fingerprint = make_fingerprint(num_layers=4)
         cache = make_cache(fingerprint, 40, seed=3)
@@ -101,14 +102,15 @@ def test_bytes_sent_before_the_cache_was_complete_are_told_apart():
             return [FakeLane()]
 
         handoff.run(asyncio.ensure_future(ready()))
-        for index, layer in enumerate(cache.layers[:3]):  # streamed while prefill runs
-            handoff.add_layer(index, layer)
         await settle()
-        during_prefill = handoff.sent_bytes
-        handoff.add_layer(3, cache.layers[3])
+        assert handoff.began and handoff.first_chunk_s is None  # only the begin went out
+        before = time.monotonic()
+        for index, layer in enumerate(cache.layers):
+            handoff.add_layer(index, layer)
         handoff.finish(first_token=7)
         await settle()
-        assert 0 < during_prefill == handoff.sent_by_finish_bytes < handoff.sent_bytes
+        assert before <= handoff.first_chunk_s <= time.monotonic()
+        assert handoff.transfer_seconds(handoff.first_chunk_s + 0.5) == pytest.approx(0.5)
 
     asyncio.run(scenario())
 
