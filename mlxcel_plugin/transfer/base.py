@@ -3,6 +3,9 @@
 A strategy is a sans-I/O planner for one handoff: it knows nothing about
 sockets. The caller sends each returned message on ``links[message.lane]``
 in the order returned (the order matters per lane; lanes are independent).
+A prefill node makes one handoff's calls in order, one at a time, on its
+``kv-encode`` thread (``nodes/handoff_sender``), so the encoding they do
+never holds up the event loop; a strategy keeps to its own state.
 
     strategy = factory(StrategyOptions(codec=codec, chunk_bytes=..., lanes=...))
     send(strategy.start(header))
