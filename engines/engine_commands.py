@@ -17,6 +17,7 @@ from mlxcel_plugin.engine_api import (
     GenerationRequest,
     LayerReady,
     PrefillDone,
+    RowsReady,
     TokenEvent,
 )
 from mlxcel_plugin.errors import EngineError
@@ -35,6 +36,7 @@ class Prefill:
     request: GenerationRequest
     on_done: PrefillDone
     on_layer: LayerReady | None
+    on_rows: RowsReady | None = None  # plain KVCache layers, cell by cell (engine_api)
 
 
 @dataclass

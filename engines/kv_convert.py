@@ -6,15 +6,17 @@ a kind it does not know is refused with ``HandoffError``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from engines import cache_layout
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import SlabCarver, mlx_view
-from mlxcel_plugin.engine_api import CacheLayer, CacheState
+from mlxcel_plugin.engine_api import CacheLayer, CacheState, RowsReady
 from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 from mlxcel_plugin.kv_serde.header import ModelFingerprint
 
@@ -42,6 +44,19 @@ def check_cache_kinds(caches: list[Any]) -> None:
 def _to_numpy(x: mx.array) -> np.ndarray:
     view = _VIEW_AS.get(x.dtype)
     return np.array(x.view(view) if view is not None else x)
+
+
+def cells_to_rows(on_rows: RowsReady) -> Callable[[int, int, list[Any]], None]:
+    """A ``run_prefill`` cell hook handing each layer's new rows to ``on_rows`` as numpy
+    copies (the cache's buffer is written on); none where a cache is not a plain KVCache
+    (its layers go whole)."""
+    def cell_done(first: int, end: int, caches: list[Any]) -> None:
+        if not all(type(cache) is KVCache for cache in caches):
+            return
+        for index, cache in enumerate(caches):
+            on_rows(index, first, {"k": _to_numpy(cache.keys[..., first:end, :]),
+                                   "v": _to_numpy(cache.values[..., first:end, :])})
+    return cell_done
 
 
 def live_keys_values(cache: Any) -> tuple[mx.array, mx.array]:

@@ -56,6 +56,7 @@ from mlxcel_plugin.engine_api import (
     ModelInfo,
     PrefillDone,
     PrefillResult,
+    RowsReady,
     TokenEvent,
 )
 from mlxcel_plugin.errors import AtCapacityError, EngineError, MlxcelError
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 
 class MlxEngine:
     """An mlx-lm model served by one thread: hybrid, prefill and decode roles."""
+    streams_prefill_rows = True  # engine_api.prefill_rows: each cell's K/V after its forward
 
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig):
         self.model = model
@@ -74,13 +76,11 @@ class MlxEngine:
         self.config, self.model_bytes = self._memory.config, self._memory.model_bytes
         self._commands: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._closed = False
+        self._ready, self._closed = threading.Event(), False
         # Engine-thread state.
         self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
-        self._batch = DecodeBatch(model)
-        self._speed = SpeedMeter()
+        self._batch, self._speed = DecodeBatch(model), SpeedMeter()
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, self.config)
@@ -121,10 +121,9 @@ class MlxEngine:
     def generate(self, request: GenerationRequest, emit: EmitToken) -> None:
         self._submit(Generate(request, emit))
 
-    def prefill(
-        self, request: GenerationRequest, on_done: PrefillDone, on_layer: LayerReady | None = None
-    ) -> None:
-        self._submit(Prefill(request, on_done, on_layer))
+    def prefill(self, request: GenerationRequest, on_done: PrefillDone,
+                on_layer: LayerReady | None = None, on_rows: RowsReady | None = None) -> None:
+        self._submit(Prefill(request, on_done, on_layer, on_rows))
 
     def decode(
         self, request: GenerationRequest, first_token: int, cache: CacheState, emit: EmitToken
@@ -275,10 +274,10 @@ class MlxEngine:
         self._prefix.store_pending()  # off the first token's path (engines/prefix_cache.py)
         self._fit_prefix_cache()
 
-    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
-        return prefill_request(
-            self.model, request, self._prefix, self.config, self.info, on_layer
-        )
+    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None,
+                         on_rows: Any = None) -> Prefilled:
+        return prefill_request(self.model, request, self._prefix, self.config, self.info,
+                               on_layer, on_rows)
 
     def _run_generate(self, job: Generate) -> None:
         request = job.request
@@ -306,8 +305,10 @@ class MlxEngine:
                 if job.on_layer is not None:
                     job.on_layer(len(layers) - 1, layers[-1])
 
+        rows = job.on_rows if self.streams_prefill_rows and not self._kv_quant.enabled else None
         try:
-            done = self._prefill_request(request, layer_ready)
+            done = self._prefill_request(request, layer_ready,
+                                         rows and kv_convert.cells_to_rows(rows))
         except Exception as exc:  # one request's failure must not stop the engine
             log.warning("prefill of %s failed: %s", request.request_id, exc)
             deliver(job.on_done, exc)

@@ -35,6 +35,8 @@ ChunkLogits = Callable[[int, mx.array], None]
 def _ignore_logits(_start: int, _logits: mx.array) -> None:
     pass  # MLX computes only what is evaluated: unread logits cost nothing
 FullChunksDone = Callable[[int], None]  # tokens done when the last full chunk is evaluated
+# (first token, end, caches): tokens [first, end) of every cache are final (a forward is done).
+CellDone = Callable[[int, int, list[Any]], None]
 WARMUP_TOKENS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
@@ -47,23 +49,22 @@ def run_prefill(
     on_logits: ChunkLogits = _ignore_logits,  # prompt logprobs (engines/prompt_logprobs.py)
     held_tokens: int | None = None,
     on_full_chunks: FullChunksDone | None = None,
+    on_cell: CellDone | None = None,
 ) -> mx.array:
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
-    ``grid`` (or a chunk size: whole cells) says where forwards split: never across
-    a cell's end, the last token alone (engines/prefill_grid.py). ``caches`` may hold
-    a prefix of ``tokens`` (the prefix cache): the prefill resumes after it. On an
-    any-token grid each forward's keys are padded to its cell's end (padded_keys.py).
+    ``grid`` (or a chunk size) splits forwards: never across a cell's end, the last token
+    alone (engines/prefill_grid.py); ``caches`` may hold a prefix of ``tokens``, resumed
+    after. On an any-token grid a forward's keys are padded to its cell's end (padded_keys).
 
-    Each forward is evaluated as it goes (bounded memory). The last token goes alone,
-    so the vocabulary projection runs for one position (MLX computes only what is
-    evaluated); then the caches are evaluated layer by layer — MLX is lazy, so layer
-    i's K/V are ready (``on_layer(i, cache)`` ships them) while later layers are
-    still to be computed. Nothing runs ahead: the caches hold exactly the prompt.
+    Each forward is evaluated as it goes (bounded memory); ``on_cell(first, end, caches)``
+    follows each but the last (positions ``[first, end)`` final, contiguous from 0). The
+    last token goes alone, so the vocabulary projection runs for one position; then the
+    caches are evaluated layer by layer — MLX is lazy, so layer i's K/V are ready
+    (``on_layer(i, cache)`` ships them) while later layers still compute.
 
-    ``held_tokens``: how many tokens ``caches`` hold (None: read from a KV layer's offset;
-    an SSM-only model has none). ``on_full_chunks(n)`` runs once the whole cells are
-    evaluated, the caches holding exactly ``n`` tokens (the prefix cache snapshots there).
+    ``held_tokens``: tokens ``caches`` hold (None: a KV layer's offset). ``on_full_chunks(n)``
+    runs once the whole cells are evaluated, holding ``n`` tokens (prefix cache snapshots).
     """
     grid = grid if isinstance(grid, PrefillGrid) else PrefillGrid(grid)
     prompt = mx.array(tokens, dtype=mx.uint32)[None]
@@ -78,6 +79,8 @@ def run_prefill(
             on_full_chunks(begin)
         on_logits(begin, _forward(model, prompt[:, begin:end], caches, grid, begin))
         mx.eval([c.state for c in caches])
+        if on_cell is not None:  # the first forward's rows come with the reused prefix's
+            on_cell(begin if begin > start else 0, end, caches)
     if full_cells == total - 1 and on_full_chunks is not None:
         on_full_chunks(full_cells)
     logits = _forward(model, prompt[:, last[0]:], caches, grid, last[0])[0, -1, :]
@@ -118,6 +121,7 @@ def prefill_request(
     config: EngineConfig,
     info: ModelInfo,
     on_layer: LayerEvaluated | None = None,
+    on_cell: CellDone | None = None,
 ) -> Prefilled:
     """Both roles' prefill: reuse a cached prefix, forward the rest, sample the first token."""
     prompt = request.prompt_tokens
@@ -130,7 +134,8 @@ def prefill_request(
         kv_convert.check_cache_kinds(caches)  # before computing anything
     held = reused.reused_tokens if reused else 0
     logits = run_prefill(model, prompt, caches, prefix.grid, on_layer,
-                         collector or _ignore_logits, held, prefix.snapshot_hook(prompt, caches))
+                         collector or _ignore_logits, held, prefix.snapshot_hook(prompt, caches),
+                         on_cell)
     prefix.store_prompt_later(prompt, caches)  # copied once the first token is out
     row = np.array(logits.astype(mx.float32))
     token = sampler.sample(row, len(prompt))

@@ -59,6 +59,8 @@ Command = Generate | Prefill | Decode | Cancel
 class _RankEngine(MlxEngine):
     """What every rank shares: its place in the group; a decode keeps this rank's KV heads."""
 
+    streams_prefill_rows = False  # a rank's rows hold its heads only: layers go gathered
+
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig, group: Group):
         # Whole-chunk reuse: the start-up probe's forwards could end differently per rank.
         whole = dataclasses.replace(config.prefix_cache, granularity="chunk")
@@ -105,9 +107,10 @@ class LeaderEngine(_RankEngine):
         send_command(self.group, command)
         self._apply_local(command)
 
-    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
+    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None,
+                         on_rows: Any = None) -> Prefilled:
         try:
-            done = super()._prefill_request(request, on_layer)
+            done = super()._prefill_request(request, on_layer)  # a rank holds some heads only
         except Exception:
             send_failed(self.group)
             raise
@@ -247,9 +250,10 @@ class FollowerEngine(_RankEngine):
             return Decode(request, int(message["first_token"]), message["cache"], _ignore)
         raise ShardDiverged(f"unknown message {op!r} from the leader")
 
-    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None) -> Prefilled:
+    def _prefill_request(self, request: GenerationRequest, on_layer: Any = None,
+                         on_rows: Any = None) -> Prefilled:
         try:
-            done = super()._prefill_request(request, on_layer)
+            done = super()._prefill_request(request, on_layer)  # a rank holds some heads only
         except Exception:
             if receive_tokens(self.group) is not None:  # the leader goes on with it: we cannot
                 self._diverged = ShardDiverged(f"prefill of {request.request_id} failed here only")

@@ -244,6 +244,9 @@ class EngineConfig:
 
 EmitToken = Callable[[TokenEvent], None]
 LayerReady = Callable[[int, CacheLayer], None]
+# (layer index, first token, {"k", "v"}: numpy [1, kv_heads, n, head_dim]): one prefill cell's
+# rows of one plain KVCache layer, final once its forward is evaluated.
+RowsReady = Callable[[int, int, dict[str, Any]], None]
 PrefillDone = Callable[[PrefillResult | Exception], None]
 # A received (numpy) layer in, the same layer in the engine's own arrays out; see
 # ``Engine.adopt_layer``.
@@ -259,6 +262,11 @@ PrefixReserver = Callable[[str, Sequence[int], int], bool]
 def layer_adopter(engine: object) -> LayerAdopter | None:
     """The engine's ``adopt_layer``, or None for an engine that decodes from numpy as is."""
     return getattr(engine, "adopt_layer", None)
+
+
+def prefill_rows(engine: object) -> bool:
+    """Whether ``engine.prefill`` takes ``on_rows`` (each cell's K/V after its forward)."""
+    return bool(getattr(engine, "streams_prefill_rows", False))
 
 
 def kv_buffer_maker(engine: object) -> KVBufferMaker | None:
@@ -323,7 +331,11 @@ class Engine(Protocol):
     def prefill(
         self, request: GenerationRequest, on_done: PrefillDone, on_layer: LayerReady | None = None
     ) -> None:
-        """Prefill only: ``on_layer`` as each layer's K/V is evaluated, then ``on_done``."""
+        """Prefill only: ``on_layer`` as each layer's K/V is evaluated, then ``on_done``.
+
+        An engine with ``streams_prefill_rows`` (``prefill_rows``) also takes ``on_rows``
+        (``RowsReady``): each cell's rows of each plain KVCache layer after its forward.
+        """
 
     def decode(
         self, request: GenerationRequest, first_token: int, cache: CacheState, emit: EmitToken

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -10,6 +11,7 @@ from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.kv_codecs import ChunkLayout, KVCodec
 from mlxcel_plugin.kv_codecs.base import raw_view
 from mlxcel_plugin.kv_serde.delta import delta_layer
+from mlxcel_plugin.kv_serde.early_rows import EarlyRows, can_send_early, head_runs
 from mlxcel_plugin.kv_serde.errors import (
     FingerprintMismatch,
     LayerCountMismatch,
@@ -53,6 +55,8 @@ class KVWriter:
     for a lossy codec, the sender decodes its own output.
     A delta header (``prefix_tokens``) makes every layer ship only the
     positions after the prefix: give it whole layers, it slices them.
+    ``rows(i, first_token, arrays)`` sends a cell's rows of a plain KVCache layer
+    before the layer is whole; the layer then sends only the rest (``early_rows``).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class KVWriter:
         self.raw_bytes = 0
         self.encoded_bytes = 0
         self._checksums: dict[int, tuple[int, int]] = {}
+        self._early: dict[int, EarlyRows] = {}  # layers some of whose rows went ahead
         self._crc_of_bodies = header.checksum_of == CHECKSUM_OF_ENCODED
 
     def begin(self) -> KVMessage:
@@ -81,12 +86,70 @@ class KVWriter:
         tokens = self._check_layer(index, layer)
         descriptor = LayerDescriptor(tokens, layer.offset, dict(layer.meta))
         messages: list[KVMessage] = []
+        early = self._early.pop(index, None)
+        if early is not None:
+            early.check_layer(index, descriptor)
+            self._checksums[index] = self._rest_of_layer(index, layer, early, messages)
+            return messages
         crcs = []
         for spec in self.header.fingerprint.layers[index].arrays:
-            array = layer.array(spec.name)
-            crcs.append(self._encode_tensor(index, spec, array, descriptor, messages))
+            rows = np.ascontiguousarray(layer.array(spec.name)).reshape(-1, spec.width)
+            running = _RunningCrc()
+            self._encode_rows(index, spec, rows, 0, descriptor, messages, running)
+            crcs.append(running.value)
         self._checksums[index] = tuple(crcs)
         return messages
+
+    def rows(self, index: int, first_token: int, arrays: Mapping[str, np.ndarray]
+             ) -> list[KVMessage]:
+        """Layer ``index``'s K/V for tokens ``[first_token, first_token + n)`` (``arrays``:
+        ``[1, kv_heads, n, head_dim]`` each) ahead of the layer; [] where it cannot take them."""
+        if index in self._checksums:
+            raise UnexpectedMessage(f"rows for layer {index}, which was already sent")
+        layers = self.header.fingerprint.num_layers
+        if not 0 <= index < layers:
+            raise LayerCountMismatch(f"rows for layer {index} of {layers}")
+        if not can_send_early(self.header, index):
+            return []
+        early = self._early.get(index) or EarlyRows.for_layer(self.header)
+        specs = self.header.fingerprint.layers[index].arrays
+        count = self._check_rows(index, specs, arrays)
+        span = early.take(first_token, first_token + count, self.header.prefix_tokens)
+        if span is None:  # all within the receiver's prefix
+            return []
+        self._early[index] = early
+        skip = span[0] + self.header.prefix_tokens - first_token
+        messages: list[KVMessage] = []
+        for spec in specs:
+            part = arrays[spec.name][:, :, skip : skip + span[1] - span[0]]
+            for row, run in head_runs(part, early.descriptor.tokens, span[0]):
+                self._encode_rows(index, spec, run, row, early.descriptor, messages,
+                                  _Recorder(early, spec.name))
+        return messages
+
+    def _check_rows(self, index: int, specs, arrays: Mapping[str, np.ndarray]) -> int:
+        """Refuse rows that do not fit the layer's spec; returns the tokens they hold."""
+        count = arrays["k"].shape[2] if arrays.get("k") is not None else -1
+        for spec in specs:
+            array = arrays.get(spec.name)
+            if array is None or array.shape != spec.shape_for(count) or (
+                    array.dtype != spec.storage):
+                got = "none" if array is None else f"{array.shape}/{array.dtype}"
+                raise FingerprintMismatch(f"layer {index} {spec.name} rows {got} do not fit")
+        return count
+
+    def _rest_of_layer(self, index: int, layer: CacheLayer, early: EarlyRows,
+                       messages: list[KVMessage]) -> tuple[int, ...]:
+        """The rows of a layer not sent ahead; its checksums, combined over every chunk."""
+        tokens, sent = early.descriptor.tokens, early.tokens_sent
+        for spec in self.header.fingerprint.layers[index].arrays:
+            array = layer.array(spec.name)
+            rest = array[:, :, sent:]
+            if tokens > sent:
+                for row, run in head_runs(rest, tokens, sent):
+                    self._encode_rows(index, spec, np.ascontiguousarray(run), row,
+                                      early.descriptor, messages, _Recorder(early, spec.name))
+        return tuple(early.crc(spec.name) for spec in self.header.fingerprint.layers[index].arrays)
 
     def end(self) -> KVMessage:
         layers = self.header.fingerprint.num_layers
@@ -129,20 +192,22 @@ class KVWriter:
             )
         return tokens
 
-    def _encode_tensor(
+    def _encode_rows(
         self,
         index: int,
         spec: ArraySpec,
-        array: np.ndarray,
+        rows: np.ndarray,
+        first_row: int,
         descriptor: LayerDescriptor,
         out: list[KVMessage],
-    ) -> int:
+        counted: Callable[[int, object], None],
+    ) -> None:
+        """Chunks of ``rows`` (``[n, width]``, from layer row ``first_row``) into ``out``;
+        ``counted(row, bytes)`` gets what each chunk's checksum covers."""
         tensor = spec.name
-        rows = np.ascontiguousarray(array).reshape(-1, spec.width)
         step = max(1, self.chunk_bytes // spec.row_bytes)
-        crc = 0
-        for row in range(0, rows.shape[0], step):
-            part = rows[row : row + step]
+        for at in range(0, rows.shape[0], step):
+            part, row = rows[at : at + step], first_row + at
             layout = ChunkLayout(tensor, descriptor.tokens, row)
             body, meta = (self.codec.encode(part, spec.dtype, layout) if spec.coded
                           else (raw_view(part), {}))
@@ -151,23 +216,13 @@ class KVWriter:
                     f"{self.codec.name} chunk of {len(body)} bytes exceeds {self.max_body_bytes}"
                 )
             over_body = not spec.coded or self._crc_of_bodies
-            crc = crc32(body if over_body else self._held_bytes(part, body, meta), crc)
-            header = ChunkHeader(
-                self.header.handoff_id,
-                self.header.epoch,
-                index,
-                tensor,
-                row,
-                part.shape[0],
-                len(body),
-                descriptor,
-                meta,
-            )
+            counted(row, body if over_body else self._held_bytes(part, body, meta))
+            header = ChunkHeader(self.header.handoff_id, self.header.epoch, index, tensor, row,
+                                 part.shape[0], len(body), descriptor, meta)
             out.append(KVMessage("chunk", header.to_dict(), body))
             self.chunks += 1
             self.raw_bytes += part.nbytes
             self.encoded_bytes += len(body)
-        return crc
 
     def _held_bytes(self, part: np.ndarray, body, meta) -> memoryview:
         """The bytes the receiver will hold for this chunk."""
@@ -175,6 +230,26 @@ class KVWriter:
             return raw_view(part)
         decoded = self.codec.decode(body, meta, part.shape, self.header.fingerprint.dtype)
         return raw_view(decoded)
+
+
+class _RunningCrc:
+    """crc32 of the byte runs fed to it, in order (a layer sent whole)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self, _row: int, data) -> None:
+        self.value = crc32(data, self.value)
+
+
+class _Recorder:
+    """Keeps each chunk's crc32 by row, to combine in row order (rows sent ahead)."""
+
+    def __init__(self, early: EarlyRows, tensor: str):
+        self.early, self.tensor = early, tensor
+
+    def __call__(self, row: int, data) -> None:
+        self.early.record(self.tensor, row, crc32(data), len(data))
 
 
 def _held_tokens(spec: LayerSpec, layer: CacheLayer) -> int:

@@ -19,10 +19,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.errors import HandoffError, MlxcelError, NodeLostError
@@ -60,6 +61,7 @@ class OutgoingHandoff:
     target: str
     started_s: float = field(default_factory=time.monotonic)
     first_chunk_s: float | None = None  # the first chunk was handed to a link
+    chunks_ahead: int = 0  # chunks of prefill cells' rows, sent before their layers
     sent_bytes: int = 0
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
@@ -95,6 +97,15 @@ class OutgoingHandoff:
         if not self.aborted:
             self._plan(self._layer_messages, index, layer)
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the strategy sends prefill cells' rows ahead of their layers."""
+        return hasattr(self.strategy, "add_rows")
+
+    def add_rows(self, index: int, first_token: int, arrays: Mapping[str, Any]) -> None:
+        if not self.aborted and self.takes_rows:
+            self._plan(self._rows_messages, index, first_token, arrays)
+
     def finish(self, first_token: int) -> None:
         self.first_token = first_token  # goes out with the end
         self._plan(self._final_messages)
@@ -102,6 +113,14 @@ class OutgoingHandoff:
     def _layer_messages(self, index: int, layer: CacheLayer) -> list[KVMessage]:
         # Refused or failed meanwhile (the encoder may run behind): the rest need no encoding.
         return [] if self.aborted else self.strategy.add_layer(index, layer)
+
+    def _rows_messages(self, index: int, first_token: int,
+                       arrays: Mapping[str, Any]) -> list[KVMessage]:
+        if self.aborted:
+            return []
+        messages = self.strategy.add_rows(index, first_token, arrays)
+        self.chunks_ahead += len(messages)
+        return messages
 
     def _final_messages(self) -> list[object]:
         return [_DONE] if self.aborted else [*self.strategy.finish(), _DONE]

@@ -53,6 +53,9 @@ class PrefillMetrics(NodeMetrics):
         self.handoff_prefix_missing = Counter(
             "mlxcel:handoff_prefix_missing", "Delta handoffs refused (prefix not held, or a "
             "receiver too old for deltas) and sent again in full.", registry=r)
+        self.handoff_chunks_ahead = Counter(
+            "mlxcel:handoff_chunks_ahead", "KV chunks sent during prefill, each cell's rows "
+            "after its forward (kv_serde/early_rows.py), in acked handoffs.", registry=r)
         self.handoff_choices = Counter("mlxcel:handoff_choices",
                                        "Handoffs started, by transfer strategy and codec.",
                                        ["strategy", "codec"], registry=r)

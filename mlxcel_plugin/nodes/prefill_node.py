@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mlxcel_plugin.engine_api import PrefillResult
+from mlxcel_plugin.engine_api import PrefillResult, prefill_rows
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
@@ -49,11 +49,7 @@ from mlxcel_plugin.nodes.prefill_job import NodeJob, PrefillNodeParts
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler
-from mlxcel_plugin.transfer import (
-    AdaptiveSelector,
-    BandwidthEstimator,
-    make_strategy,
-)
+from mlxcel_plugin.transfer import AUTO, AdaptiveSelector, BandwidthEstimator, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -172,18 +168,38 @@ class PrefillNode:
         job.submitted_s = time.monotonic()
         hands_off = job.request.max_tokens > 1  # max_tokens == 1 ends at the first token
         on_layer = (lambda index, layer: events.put((job, index, layer))) if hands_off else None
-        self.engine.prefill(job.request, lambda result: events.put((job, None, result)), on_layer)
+        def on_done(result: Any) -> None:
+            events.put((job, None, result))
+
+        def on_rows(index: int, first: int, arrays: Any) -> None:  # a cell's, as it ends
+            events.put((job, (index, first), arrays))
+
+        if hands_off and self._streams_rows():
+            self.engine.prefill(job.request, on_done, on_layer, on_rows=on_rows)
+        else:
+            self.engine.prefill(job.request, on_done, on_layer)
         if hands_off:
             # After the engine has the request (the first token's path), before any layer
             # event: those reach this loop only after this callback returns.
             job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
 
-    def _on_engine_event(self, event: tuple[NodeJob, int | None, Any]) -> None:
-        """A layer (index, layer) or the end of prefill (None, result), on the loop."""
+    def _streams_rows(self) -> bool:
+        """Whether to take prefill cells' rows: the engine offers them and the strategy
+        (configured, or one ``auto`` may pick) sends them ahead of their layers."""
+        name = self.parts.transfer_config.strategy
+        wanted = name == AUTO or hasattr(self.parts.strategies.get(name), "add_rows")
+        return wanted and prefill_rows(self.engine)
+
+    def _on_engine_event(self, event: tuple[NodeJob, Any, Any]) -> None:
+        """(index, layer), ((index, first token), a cell's rows) or (None, result): loop."""
         job, index, payload = event
         if index is None:
             self._on_prefill_done(job, payload)
-        elif job.handoff is not None:
+        elif job.handoff is None:
+            return
+        elif isinstance(index, tuple):
+            job.handoff.add_rows(*index, payload)
+        else:
             job.handoff.add_layer(index, payload)
 
     def _header(self, job: NodeJob, epoch: int, first_token: int, codec: str) -> HandoffHeader:
@@ -274,6 +290,7 @@ class PrefillNode:
         elapsed = time.monotonic() - job.first_token_s
         self.metrics.handoff_time.observe(elapsed)
         self.metrics.handoff_bytes.observe(handoff.sent_bytes)
+        self.metrics.handoff_chunks_ahead.inc(handoff.chunks_ahead)
         self.bandwidth.observe(job.target, handoff.sent_bytes,
                                handoff.transfer_seconds(time.monotonic()))
         if job.choice is not None:

@@ -7,6 +7,11 @@ A prefill node makes one handoff's calls in order, one at a time, on its
 ``kv-encode`` thread (``nodes/handoff_sender``), so the encoding they do
 never holds up the event loop; a strategy keeps to its own state.
 
+A strategy may also offer ``add_rows(index, first_token, arrays)``: a prefill
+cell's K/V of one layer (``{"k", "v"}``, ``[1, kv_heads, n, head_dim]``) as soon
+as its forward is done, before the layer's own ``add_layer``
+(``kv_serde.early_rows``); the node then hands it every cell as it comes.
+
     strategy = factory(StrategyOptions(codec=codec, chunk_bytes=..., lanes=...))
     send(strategy.start(header))
     for i, layer in layers_as_they_are_evaluated:   # engine's on_layer

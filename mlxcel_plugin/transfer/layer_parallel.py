@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from mlxcel_plugin.engine_api import CacheLayer
 from mlxcel_plugin.kv_serde import HandoffHeader, KVMessage
@@ -37,6 +39,13 @@ class LayerParallelTransfer(WriterStrategy):
         lane = self._next_lane
         self._next_lane = (lane + 1) % self.options.lanes
         chunks = self._live_writer().layer(index, layer)
+        return [dataclasses.replace(chunk, lane=lane) for chunk in chunks]
+
+    def add_rows(self, index: int, first_token: int, arrays: Mapping[str, Any]
+                 ) -> list[KVMessage]:
+        """A cell's rows ahead of their layer, on the lane of the layer's index."""
+        lane = index % self.options.lanes
+        chunks = self._live_writer().rows(index, first_token, arrays)
         return [dataclasses.replace(chunk, lane=lane) for chunk in chunks]
 
     def finish(self) -> list[KVMessage]:

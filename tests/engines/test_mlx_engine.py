@@ -23,6 +23,7 @@ from mlxcel_plugin.engine_api import (
     EngineConfig,
     GenerationRequest,
     SamplingParams,
+    prefill_rows,
 )
 from mlxcel_plugin.errors import ContextLengthError, InvalidRequestError
 from mlxcel_plugin.plugins import load_plugins
@@ -332,3 +333,25 @@ def test_model_info(engine):
 def test_registered_as_plugin(tiny_model_path):
     registry = load_plugins(env={"MLXCEL_PLUGINS": "mlx_engines"})
     assert registry.get("engine", "mlx") is make_mlx_engine
+
+
+def test_prefill_hands_each_cells_rows_as_its_forward_ends(engine):
+    """Rows come contiguous from token 0, cell by cell, equal to the final cache's; the last
+    token goes alone (with the whole layer), so the rows end one short of the prompt."""
+    req = GenerationRequest("rows", prompt(300, seed=4242), 16)  # no prefix cached for it
+    outcome, rows = support.PrefillOutcome(), []
+    assert prefill_rows(engine)
+    engine.prefill(req, outcome.on_done, outcome.on_layer,
+                   on_rows=lambda index, first, arrays: rows.append((index, first, arrays)))
+    result = outcome.wait()
+    layers = len(result.cache.layers)
+    by_layer = [[(first, arrays) for index, first, arrays in rows if index == i]
+                for i in range(layers)]
+    for layer, cells in zip(result.cache.layers, by_layer, strict=True):
+        ends = [first + arrays["k"].shape[2] for first, arrays in cells]
+        assert [first for first, _ in cells] == [0, *ends[:-1]] and ends[-1] == 299
+        assert len(cells) == -(-299 // CHUNK)
+        for first, arrays in cells:
+            end = first + arrays["k"].shape[2]
+            assert np.array_equal(arrays["k"], layer.keys[:, :, first:end])
+            assert np.array_equal(arrays["v"], layer.values[:, :, first:end])

@@ -182,6 +182,10 @@ def test_greedy_output_matches_hybrid(mlx_nodes, expected, strategy, codec):
     assert health(prefill)["transfer"]["last_choice"]["codec"] == codec
     chosen = f'mlxcel:handoff_choices_total{{codec="{codec}",strategy="{strategy}"}}'
     assert chosen in metrics(prefill)
+    # Streaming strategies send each prefill cell's rows after its forward, before the layer.
+    ahead = [line for line in metrics(prefill).splitlines()
+             if line.startswith("mlxcel:handoff_chunks_ahead_total ")]
+    assert (float(ahead[0].split()[-1]) > 0) == (strategy != "full"), ahead
 
 
 def test_int8_handoffs_checksum_their_bodies_once_the_decode_node_announced_it(mlx_nodes):

@@ -9,7 +9,7 @@ import pytest
 from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.errors import PluginError
 from mlxcel_plugin.kv_codecs import resolve_codec
-from mlxcel_plugin.kv_serde import KVAssembler
+from mlxcel_plugin.kv_serde import KVAssembler, assemble_messages
 from mlxcel_plugin.plugins import load_plugins
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
@@ -138,3 +138,24 @@ def test_builtin_plugin_registers_strategies_and_codecs():
     registry = load_plugins(env={"MLXCEL_PLUGINS": "core"})
     assert registry.names("transfer_strategy") == ["full", "layer-parallel", "streamed"]
     assert registry.names("kv_codec") == ["int4", "int8", "lz4", "none", "shuffle", "shuffle+lz4"]
+
+
+def test_streaming_strategies_send_a_cells_rows_ahead_and_the_rest_with_the_layer():
+    fp = make_fingerprint(num_layers=4, kv_heads=2, head_dim=64)
+    cache = make_cache(fp, 24, seed=2)
+    for strategy in (StreamedTransfer(StrategyOptions()), LayerParallelTransfer(
+            StrategyOptions(lanes=3))):
+        messages = list(strategy.start(make_header(fp, 24)))
+        ahead = [m for i, layer in enumerate(cache.layers)
+                 for m in strategy.add_rows(i, 0, {"k": layer.keys[:, :, :16],
+                                                   "v": layer.values[:, :, :16]})]
+        assert ahead and {m.header["row"] % 24 for m in ahead} == {0}
+        if isinstance(strategy, LayerParallelTransfer):  # a layer's rows keep to one lane
+            assert all(m.lane == m.header["layer"] % 3 for m in ahead)
+        messages += ahead
+        for i, layer in enumerate(cache.layers):
+            messages += strategy.add_layer(i, layer)
+        messages += strategy.finish()
+        begin = next(m for m in messages if m.kind == "begin")
+        rest = [m for m in messages if m.kind != "begin"]
+        assert_caches_equal(assemble_messages([begin, *rest], fp, CODECS).cache, cache)
