@@ -187,6 +187,11 @@ class Link:
         """Nothing queued: a frame sent now is the next one written."""
         return self._writer.idle
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes this link has taken and not yet handed to its sockets."""
+        return self._writer.queued_bytes
+
     def _checked(self, frame: Frame) -> tuple[Frame, int]:
         frame = flat_body(frame)
         size = frame_size(frame)

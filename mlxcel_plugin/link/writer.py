@@ -64,6 +64,11 @@ class LinkWriter:
         """Nothing queued: a frame queued now is the next one written."""
         return not self._outbox
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of frames queued or being written, not yet handed to the sockets."""
+        return self._budget.used
+
     async def put(self, frame: Frame, size: int) -> bool:
         """Queue a frame of ``size`` bytes once the budget has room; False if closed meanwhile."""
         await self._budget.acquire(size, lambda: self._open)

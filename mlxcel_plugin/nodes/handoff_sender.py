@@ -61,6 +61,10 @@ class OutgoingHandoff:
     target: str
     started_s: float = field(default_factory=time.monotonic)
     first_chunk_s: float | None = None  # the first chunk was handed to a link
+    finished_s: float | None = None  # the cache was complete (prefill ended)
+    # At that moment: bytes handed to links so far, and bytes the links still held.
+    sent_by_finish_bytes: int = 0
+    queued_at_finish_bytes: int = 0
     chunks_ahead: int = 0  # chunks of prefill cells' rows, sent before their layers
     sent_bytes: int = 0
     began: bool = False  # a begin went out: the decode node may hold state to drop
@@ -74,6 +78,7 @@ class OutgoingHandoff:
         self.ack.add_done_callback(self._on_answer)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._links: list[Link] = []  # once dialed
 
     def _on_answer(self, ack: asyncio.Future[AckHeader]) -> None:
         """A refusal stops the sending: the decode node drops the rest of this attempt.
@@ -107,6 +112,9 @@ class OutgoingHandoff:
             self._plan(self._rows_messages, index, first_token, arrays)
 
     def finish(self, first_token: int) -> None:
+        self.finished_s = time.monotonic()
+        self.sent_by_finish_bytes = self.sent_bytes
+        self.queued_at_finish_bytes = sum(link.queued_bytes for link in self._links)
         self.first_token = first_token  # goes out with the end
         self._plan(self._final_messages)
 
@@ -156,7 +164,7 @@ class OutgoingHandoff:
     async def _send_all(self, lanes_task: asyncio.Task[list[Link]]) -> None:
         feeds: list[LaneFeed] = []
         try:
-            lanes = await lanes_task
+            lanes = self._links = await lanes_task
             feeds = [LaneFeed(link, self._sent, self._lane_failed) for link in lanes]
             finished = False
             while not finished:  # ends with finish()
@@ -178,13 +186,16 @@ class OutgoingHandoff:
             self.first_chunk_s = time.monotonic()
         self.sent_bytes += len(frame.body)
 
-    def transfer_seconds(self, acked_s: float) -> float:
-        """From the first chunk handed to a link to the ack: what the link rate is measured
-        over. Not from the end of prefill: "handed" is not "on the wire" (a link queues
-        megabytes), so a streamed handoff has handed nearly everything by then. Layers
-        come after prefill's last forward (engines/prefill.py), so the link, or an encoder
-        slower than it, is what paces the chunks from the first on."""
-        return acked_s - (self.first_chunk_s or self.started_s)
+    def link_sample(self, acked_s: float) -> tuple[int, float]:
+        """(bytes, seconds) to measure the link by: the faster of two windows, each of which
+        can only undercount it. From the first chunk to the ack, every byte: low where
+        prefill produced chunks slower than the link took them (cells' rows sent ahead).
+        From the end of prefill: what was handed to the links since plus what they still
+        held then, low by what sat in socket buffers (megabytes: seconds of a slow link)."""
+        whole = (self.sent_bytes, acked_s - (self.first_chunk_s or self.started_s))
+        after = (self.sent_bytes - self.sent_by_finish_bytes + self.queued_at_finish_bytes,
+                 acked_s - (self.finished_s or self.started_s))
+        return max(whole, after, key=lambda s: s[0] / s[1] if s[1] > 0 else 0.0)
 
     def _lane_failed(self, exc: BaseException) -> None:
         self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))

@@ -291,8 +291,7 @@ class PrefillNode:
         self.metrics.handoff_time.observe(elapsed)
         self.metrics.handoff_bytes.observe(handoff.sent_bytes)
         self.metrics.handoff_chunks_ahead.inc(handoff.chunks_ahead)
-        self.bandwidth.observe(job.target, handoff.sent_bytes,
-                               handoff.transfer_seconds(time.monotonic()))
+        self.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()))
         if job.choice is not None:
             self.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
                                         handoff.sent_bytes)

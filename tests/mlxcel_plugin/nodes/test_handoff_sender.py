@@ -3,7 +3,6 @@ thread runs the strategy off the event loop."""
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,6 +24,7 @@ class FakeLane:
         self.frames = []
         self.released = asyncio.Event()
         self.fail, self.room = fail, room  # room: frames it takes before it is full
+        self.queued_bytes = 0  # taken, not yet on the socket
         if not stall:
             self.released.set()
 
@@ -90,27 +90,37 @@ def test_a_stalled_lane_does_not_hold_up_the_others_and_each_lane_keeps_its_orde
     asyncio.run(scenario())
 
 
-def test_the_link_is_timed_from_the_first_chunk_handed_to_it():
+def test_the_link_is_measured_over_the_faster_of_two_windows():
     async def scenario():
         fingerprint = make_fingerprint(num_layers=4)
         cache = make_cache(fingerprint, 40, seed=3)
         strategy = LayerParallelTransfer(StrategyOptions(lanes=1))
         handoff = OutgoingHandoff(make_header(fingerprint, 40), strategy, "decode-1")
         handoff.push(strategy.start(handoff.header))
+        lane = FakeLane()
 
         async def ready():
-            return [FakeLane()]
+            return [lane]
 
         handoff.run(asyncio.ensure_future(ready()))
-        await settle()
-        assert handoff.began and handoff.first_chunk_s is None  # only the begin went out
-        before = time.monotonic()
-        for index, layer in enumerate(cache.layers):
+        for index, layer in enumerate(cache.layers[:3]):  # streamed while prefill runs
             handoff.add_layer(index, layer)
+        await settle()
+        during_prefill = handoff.sent_bytes
+        lane.queued_bytes = 1000  # of those, still in the link when prefill ends
+        handoff.add_layer(3, cache.layers[3])
         handoff.finish(first_token=7)
         await settle()
-        assert before <= handoff.first_chunk_s <= time.monotonic()
-        assert handoff.transfer_seconds(handoff.first_chunk_s + 0.5) == pytest.approx(0.5)
+        assert 0 < during_prefill == handoff.sent_by_finish_bytes < handoff.sent_bytes
+        # Chunks came slowly during prefill: the window after it is the faster one.
+        handoff.first_chunk_s = handoff.finished_s - 10.0
+        moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
+        assert moved == handoff.sent_bytes - during_prefill + 1000
+        assert seconds == pytest.approx(0.5)
+        # The link was the bottleneck from the first chunk on: every byte over that window.
+        handoff.first_chunk_s = handoff.finished_s - 0.01
+        moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
+        assert moved == handoff.sent_bytes and seconds == pytest.approx(0.51)
 
     asyncio.run(scenario())
 
