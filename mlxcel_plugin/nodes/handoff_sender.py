@@ -187,14 +187,17 @@ class OutgoingHandoff:
         self.sent_bytes += len(frame.body)
 
     def link_sample(self, acked_s: float) -> tuple[int, float]:
-        """(bytes, seconds) to measure the link by: the faster of two windows, each of which
-        can only undercount it. From the first chunk to the ack, every byte: low where
-        prefill produced chunks slower than the link took them (cells' rows sent ahead).
+        """(bytes, seconds) to measure the link by; each window can only undercount it.
         From the end of prefill: what was handed to the links since plus what they still
-        held then, low by what sat in socket buffers (megabytes: seconds of a slow link)."""
-        whole = (self.sent_bytes, acked_s - (self.first_chunk_s or self.started_s))
+        held then (low by what sat in socket buffers: seconds of a slow link). From the
+        first chunk, every byte: the faster of the two, unless cells' rows went ahead at
+        prefill's pace, which says nothing of the link. Where the link kept up with
+        prefill, little is left after it and the estimator drops the sample as too small."""
         after = (self.sent_bytes - self.sent_by_finish_bytes + self.queued_at_finish_bytes,
                  acked_s - (self.finished_s or self.started_s))
+        if self.chunks_ahead:
+            return after
+        whole = (self.sent_bytes, acked_s - (self.first_chunk_s or self.started_s))
         return max(whole, after, key=lambda s: s[0] / s[1] if s[1] > 0 else 0.0)
 
     def _lane_failed(self, exc: BaseException) -> None:

@@ -121,6 +121,10 @@ def test_the_link_is_measured_over_the_faster_of_two_windows():
         handoff.first_chunk_s = handoff.finished_s - 0.01
         moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
         assert moved == handoff.sent_bytes and seconds == pytest.approx(0.51)
+        # Cells' rows went ahead at prefill's pace: only the window after prefill counts.
+        handoff.chunks_ahead = 3
+        moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
+        assert moved == handoff.sent_bytes - during_prefill + 1000
 
     asyncio.run(scenario())
 
