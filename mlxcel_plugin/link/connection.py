@@ -166,19 +166,16 @@ class Link:
     async def send(self, frame: Frame) -> None:
         """Queue one frame; waits while the send queue is full. Raises LinkClosed.
 
-        The body may be any C-contiguous buffer (bytes, memoryview, numpy array),
-        or a BodyParts of them; it is sent without a copy (on the bulk channel),
-        so do not modify it until ``drain()`` returns.
-        """
+        The body may be any C-contiguous buffer (bytes, memoryview, numpy array), or a
+        BodyParts of them; it is sent without a copy (on the bulk channel), so do not
+        modify it until ``drain()`` returns."""
         frame, size = self._checked(frame)
         if not await self._writer.put(frame, size):
             self._raise_if_closed()
 
     def try_send(self, frame: Frame) -> bool:
-        """Queue one frame now if the send queue has room (False if not); from sync code.
-
-        Raises LinkClosed. Frames keep their order with ``send``'s.
-        """
+        """Queue one frame now if the send queue has room (else False; raises LinkClosed);
+        from sync code. Frames keep their order with ``send``'s."""
         frame, size = self._checked(frame)
         return self._writer.try_put(frame, size)
 
@@ -201,10 +198,8 @@ class Link:
         return frame, size
 
     async def recv(self) -> Frame:
-        """The next frame from the peer. Raises LinkClosed once the link is closed.
-
-        Safe to cancel: a frame being awaited stays first in line for the next call.
-        """
+        """The next frame from the peer; raises LinkClosed once the link is closed. Safe to
+        cancel: a frame being awaited stays first in line for the next call."""
         while True:  # skips bulk frames of unknown type; ends with a frame or LinkClosed
             if self._head is None:
                 if self._closed and self._inbox.empty():
