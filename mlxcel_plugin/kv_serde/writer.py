@@ -113,7 +113,8 @@ class KVWriter:
             return []
         early = self._early.get(index) or EarlyRows.for_layer(self.header)
         specs = self.header.fingerprint.layers[index].arrays
-        count = self._check_rows(index, specs, arrays)
+        count = arrays["k"].shape[2] if arrays.get("k") is not None else -1
+        _check_arrays(index, specs, arrays.get, count, "rows")
         span = early.take(first_token, first_token + count, self.header.prefix_tokens)
         if span is None:  # all within the receiver's prefix
             return []
@@ -127,29 +128,16 @@ class KVWriter:
                                   _Recorder(early, spec.name))
         return messages
 
-    def _check_rows(self, index: int, specs, arrays: Mapping[str, np.ndarray]) -> int:
-        """Refuse rows that do not fit the layer's spec; returns the tokens they hold."""
-        count = arrays["k"].shape[2] if arrays.get("k") is not None else -1
-        for spec in specs:
-            array = arrays.get(spec.name)
-            if array is None or array.shape != spec.shape_for(count) or (
-                    array.dtype != spec.storage):
-                got = "none" if array is None else f"{array.shape}/{array.dtype}"
-                raise FingerprintMismatch(f"layer {index} {spec.name} rows {got} do not fit")
-        return count
-
     def _rest_of_layer(self, index: int, layer: CacheLayer, early: EarlyRows,
                        messages: list[KVMessage]) -> tuple[int, ...]:
         """The rows of a layer not sent ahead; its checksums, combined over every chunk."""
         tokens, sent = early.descriptor.tokens, early.tokens_sent
-        for spec in self.header.fingerprint.layers[index].arrays:
-            array = layer.array(spec.name)
-            rest = array[:, :, sent:]
-            if tokens > sent:
-                for row, run in head_runs(rest, tokens, sent):
-                    self._encode_rows(index, spec, np.ascontiguousarray(run), row,
-                                      early.descriptor, messages, _Recorder(early, spec.name))
-        return tuple(early.crc(spec.name) for spec in self.header.fingerprint.layers[index].arrays)
+        specs = self.header.fingerprint.layers[index].arrays
+        for spec in specs if tokens > sent else ():
+            for row, run in head_runs(layer.array(spec.name)[:, :, sent:], tokens, sent):
+                self._encode_rows(index, spec, np.ascontiguousarray(run), row,
+                                  early.descriptor, messages, _Recorder(early, spec.name))
+        return tuple(early.crc(spec.name) for spec in specs)
 
     def end(self) -> KVMessage:
         layers = self.header.fingerprint.num_layers
@@ -178,13 +166,7 @@ class KVWriter:
             raise FingerprintMismatch(f"layer {index} dtype {layer.dtype} != model {fp.dtype}")
         spec = fp.layers[index]
         tokens = _held_tokens(spec, layer)
-        for array_spec in spec.arrays:
-            array, want = layer.array(array_spec.name), array_spec.shape_for(tokens)
-            if array is None or array.shape != want or array.dtype != array_spec.storage:
-                got = "none" if array is None else f"{array.shape}/{array.dtype}"
-                raise FingerprintMismatch(
-                    f"layer {index} {array_spec.name} tensor {got} does not match {want}"
-                )
+        _check_arrays(index, spec.arrays, layer.array, tokens, "tensor")
         if not 1 <= tokens <= layer.offset <= self.header.prompt_length:
             raise MalformedHandoff(
                 f"layer {index}: tokens {tokens}, offset {layer.offset}, "
@@ -250,6 +232,17 @@ class _Recorder:
 
     def __call__(self, row: int, data) -> None:
         self.early.record(self.tensor, row, crc32(data), len(data))
+
+
+def _check_arrays(index: int, specs, array_of: Callable[[str], np.ndarray | None],
+                  tokens: int, what: str) -> None:
+    """Refuse arrays (a whole layer's or rows sent ahead) unlike their spec at ``tokens``."""
+    for spec in specs:
+        array, want = array_of(spec.name), spec.shape_for(tokens)
+        if array is None or array.shape != want or array.dtype != spec.storage:
+            got = "none" if array is None else f"{array.shape}/{array.dtype}"
+            raise FingerprintMismatch(f"layer {index} {spec.name} {what} {got} does not match "
+                                      f"{want}")
 
 
 def _held_tokens(spec: LayerSpec, layer: CacheLayer) -> int:

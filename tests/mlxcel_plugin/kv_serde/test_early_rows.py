@@ -9,7 +9,11 @@ import pytest
 
 from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.kv_serde import KVWriter, assemble_messages
-from mlxcel_plugin.kv_serde.errors import MalformedHandoff, UnexpectedMessage
+from mlxcel_plugin.kv_serde.errors import (
+    FingerprintMismatch,
+    MalformedHandoff,
+    UnexpectedMessage,
+)
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_ENCODED
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
@@ -105,6 +109,23 @@ def test_rows_out_of_order_or_after_their_layer_are_refused():
     writer.layer(0, cache.layers[0])
     with pytest.raises(UnexpectedMessage, match="already sent"):
         writer.rows(0, second_at, second)
+
+
+@pytest.mark.parametrize("fault", ["no-values", "wrong-dtype", "wrong-heads"])
+def test_rows_unlike_the_layers_spec_are_refused(fault):
+    cache = make_cache(FP, TOKENS, seed=11)
+    (_, arrays), = cells_of(cache.layers[0], CELLS[:1])
+    if fault == "no-values":
+        del arrays["v"]
+    elif fault == "wrong-dtype":
+        arrays["v"] = arrays["v"].astype("<f4")
+    else:
+        arrays["k"] = arrays["k"][:, :1]
+    writer = writer_for()
+    writer.begin()
+    with pytest.raises(FingerprintMismatch, match="layer 0 [kv] rows .* does not match"):
+        writer.rows(0, 0, arrays)
+    assert writer.chunks == 0
 
 
 def test_a_layer_unlike_the_rows_sent_ahead_fails_the_handoff():
