@@ -76,9 +76,9 @@ from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
 from mlxcel_plugin.kv_codecs.quant_blocks import (
     BlockCursor,
     block_starts,
+    blocks,
     column_extent,
     place_rows,
-    shifted,
 )
 from mlxcel_plugin.kv_codecs.quant_format import (
     ChunkFormat,
@@ -179,12 +179,11 @@ class GroupQuantCodec:
         checked = fmt.rotation and fmt.along_tokens
         extent = column_extent(array, fmt, dtype) if checked else None
         sections = []
-        for start, stop in zip(starts, [*starts[1:], rows], strict=True):
-            block_fmt, block = shifted(fmt, start), array[start:stop]
-            exact, groups = block_fmt.split(stop - start, head_dim)
-            exact_part = block[exact].tobytes() if exact is not None else b""
-            values = to_float32(block[~exact] if exact is not None else block, dtype)
-            encoded = self._encode_rows(values, groups, block_fmt, dtype, extent)
+        for block in blocks(fmt, rows, head_dim, starts):
+            part, exact = array[block.start : block.stop], block.exact
+            exact_part = part[exact].tobytes() if exact is not None else b""
+            values = to_float32(part[~exact] if exact is not None else part, dtype)
+            encoded = self._encode_rows(values, block.groups, block.fmt, dtype, extent)
             if encoded is None:
                 return None
             sections.append((encoded[0], exact_part, *encoded[1:]))
@@ -325,17 +324,16 @@ class GroupQuantCodec:
         self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         used = BlockCursor()
-        starts = block_starts(fmt, rows, head_dim)
-        for start, stop in zip(starts, [*starts[1:], rows], strict=True):  # as encode's blocks
-            block_fmt = shifted(fmt, start)
-            exact, groups = block_fmt.split(stop - start, head_dim)
-            exact_part, group_part, code_part = used.advance(exact, groups, stop - start, head_dim)
+        for block in blocks(fmt, rows, head_dim, block_starts(fmt, rows, head_dim)):
+            exact_part, group_part, code_part = used.advance(block, head_dim)
+            groups = block.groups
             values = groups.view(codes[code_part].astype("<f4").reshape(-1, head_dim))
             values = values * groups.expand(scales[group_part])
             if minimums is not None:
                 values += groups.expand(minimums[group_part])
-            values = self._rotated_back(values.reshape(-1, head_dim), block_fmt, dtype)
-            place_rows(out[start:stop], exact, exact_values[exact_part], values, dtype)
+            values = self._rotated_back(values.reshape(-1, head_dim), block.fmt, dtype)
+            place_rows(out[block.start : block.stop], block.exact, exact_values[exact_part],
+                       values, dtype)
 
     def _rotated_back(self, values: np.ndarray, fmt: ChunkFormat, dtype: str) -> np.ndarray:
         if fmt.rotation:

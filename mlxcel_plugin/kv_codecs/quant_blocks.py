@@ -9,12 +9,13 @@ A block boundary is always a group boundary of the whole chunk (and, for int4, f
 after an even number of codes), so each block encodes exactly as a chunk of its own
 would, starting at that row: the chunk's body is the blocks' sections joined section by
 section (exact rows, minimums, scales, codes), the same format a single pass writes.
-Decoding walks the same blocks (``BlockCursor``), for the same reason.
+Encoding and decoding walk the same ``blocks``; ``BlockCursor`` finds each one's sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -42,6 +43,28 @@ def block_starts(fmt: ChunkFormat, rows: int, head_dim: int) -> list[int]:
     return starts
 
 
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Rows ``[start, stop)`` of a chunk seen as a chunk of their own."""
+
+    start: int
+    stop: int
+    fmt: ChunkFormat
+    exact: np.ndarray | None  # which of the block's rows travel exact (None: none)
+    groups: DimGroups | TokenGroups
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def blocks(fmt: ChunkFormat, rows: int, head_dim: int, starts: list[int]) -> Iterator[Block]:
+    """The chunk's blocks from ``starts`` (``block_starts``), in row order."""
+    for start, stop in zip(starts, [*starts[1:], rows], strict=True):
+        block_fmt = shifted(fmt, start)
+        yield Block(start, stop, block_fmt, *block_fmt.split(stop - start, head_dim))
+
+
 def shifted(fmt: ChunkFormat, row: int) -> ChunkFormat:
     """The format of the chunk's rows from ``row`` on, seen as a chunk of their own."""
     if fmt.span is None or not row:
@@ -64,12 +87,10 @@ class BlockCursor:
     def __init__(self) -> None:
         self.exact = self.groups = self.codes = 0
 
-    def advance(
-        self, exact: np.ndarray | None, groups: DimGroups | TokenGroups, rows: int, head_dim: int
-    ) -> tuple[slice, slice, slice]:
+    def advance(self, block: Block, head_dim: int) -> tuple[slice, slice, slice]:
         """The block's slice of each section (exact values, minimums and scales, codes)."""
-        exact_rows = int(exact.sum()) if exact is not None else 0
-        sizes = (exact_rows * head_dim, groups.count, (rows - exact_rows) * head_dim)
+        exact_rows = int(block.exact.sum()) if block.exact is not None else 0
+        sizes = (exact_rows * head_dim, block.groups.count, (block.rows - exact_rows) * head_dim)
         parts = tuple(slice(at, at + size) for at, size in
                       zip((self.exact, self.groups, self.codes), sizes, strict=True))
         self.exact, self.groups, self.codes = (part.stop for part in parts)
