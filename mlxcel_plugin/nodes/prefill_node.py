@@ -49,7 +49,12 @@ from mlxcel_plugin.nodes.prefill_job import NodeJob, PrefillNodeParts
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler
-from mlxcel_plugin.transfer import AUTO, AdaptiveSelector, BandwidthEstimator, make_strategy
+from mlxcel_plugin.transfer import (
+    AdaptiveSelector,
+    BandwidthEstimator,
+    TransferChoice,
+    make_strategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -174,21 +179,16 @@ class PrefillNode:
         def on_rows(index: int, first: int, arrays: Any) -> None:  # a cell's, as it ends
             events.put((job, (index, first), arrays))
 
-        if hands_off and self._streams_rows():
+        choice = self._select(job, streaming=True) if hands_off else None
+        strategy = self.parts.strategies.get(choice.strategy) if choice else None
+        if hasattr(strategy, "add_rows") and prefill_rows(self.engine):  # else no rows copied
             self.engine.prefill(job.request, on_done, on_layer, on_rows=on_rows)
         else:
             self.engine.prefill(job.request, on_done, on_layer)
-        if hands_off:
+        if choice is not None:
             # After the engine has the request (the first token's path), before any layer
             # event: those reach this loop only after this callback returns.
-            job.handoff = self._begin_handoff(job, epoch=1, streaming=True)
-
-    def _streams_rows(self) -> bool:
-        """Whether to take prefill cells' rows: the engine offers them and the strategy
-        (configured, or one ``auto`` may pick) sends them ahead of their layers."""
-        name = self.parts.transfer_config.strategy
-        wanted = name == AUTO or hasattr(self.parts.strategies.get(name), "add_rows")
-        return wanted and prefill_rows(self.engine)
+            job.handoff = self._begin_handoff(job, 1, choice, streaming=True)
 
     def _on_engine_event(self, event: tuple[NodeJob, Any, Any]) -> None:
         """(index, layer), ((index, first token), a cell's rows) or (None, result): loop."""
@@ -220,12 +220,14 @@ class PrefillNode:
             return CHECKSUM_OF_ENCODED
         return CHECKSUM_OF_HELD
 
-    def _begin_handoff(self, job: NodeJob, epoch: int, streaming: bool,
-                       first_token: int = 0) -> OutgoingHandoff:
+    def _select(self, job: NodeJob, streaming: bool) -> TransferChoice:
         payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
-        choice = self.selector.select(payload, self.bandwidth.estimate(job.target),
-                                      lanes_available=self.parts.transfer_config.parallelism,
-                                      can_stream=streaming)
+        return self.selector.select(payload, self.bandwidth.estimate(job.target),
+                                    lanes_available=self.parts.transfer_config.parallelism,
+                                    can_stream=streaming)
+
+    def _begin_handoff(self, job: NodeJob, epoch: int, choice: TransferChoice, streaming: bool,
+                       first_token: int = 0) -> OutgoingHandoff:
         job.choice = choice
         strategy = make_strategy(choice.strategy, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
@@ -332,8 +334,8 @@ class PrefillNode:
 
     def _resend(self, job: NodeJob, epoch: int) -> None:
         """Another attempt from the cache prefill left, every layer at once."""
-        job.handoff = self._begin_handoff(job, epoch, streaming=False,
-                                          first_token=job.result.first_token)
+        job.handoff = self._begin_handoff(job, epoch, self._select(job, streaming=False),
+                                          streaming=False, first_token=job.result.first_token)
         for index, layer in enumerate(job.result.cache.layers):
             job.handoff.add_layer(index, layer)
         job.handoff.finish(job.result.first_token)
