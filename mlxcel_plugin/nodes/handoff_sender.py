@@ -44,6 +44,10 @@ from mlxcel_plugin.transfer import TransferStrategy
 logger = logging.getLogger(__name__)
 
 DIAL_ATTEMPTS = 3
+# Encoded or waiting bytes not yet handed to a link beyond which prefill cells' rows stop
+# going ahead (the rest of each layer goes with the layer): over a link slower than
+# prefill the node would otherwise hold a copy of nearly all the K/V beside the cache.
+ROWS_BACKLOG_BYTES = 64 << 20
 _DIAL_BACKOFF = Backoff(initial_s=0.05, max_s=0.5)
 _DONE = object()
 
@@ -66,6 +70,7 @@ class OutgoingHandoff:
     sent_by_finish_bytes: int = 0
     queued_at_finish_bytes: int = 0
     chunks_ahead: int = 0  # chunks of prefill cells' rows, sent before their layers
+    rows_stopped: bool = False  # the backlog passed ROWS_BACKLOG_BYTES: no more rows ahead
     sent_bytes: int = 0
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
@@ -79,6 +84,8 @@ class OutgoingHandoff:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._links: list[Link] = []  # once dialed
+        self._pushed_bytes = 0  # message bodies queued to be framed
+        self._rows_encoding_bytes = 0  # rows handed to the encoder, not yet queued
 
     def _on_answer(self, ack: asyncio.Future[AckHeader]) -> None:
         """A refusal stops the sending: the decode node drops the rest of this attempt.
@@ -94,9 +101,17 @@ class OutgoingHandoff:
     def key(self) -> tuple[str, str, int]:
         return self.header.request_id, self.header.handoff_id, self.header.epoch
 
-    def push(self, messages: Iterable[object]) -> None:
+    def push(self, messages: Iterable[object], rows_bytes: int = 0) -> None:
+        """Queue messages to be framed; ``rows_bytes``: the rows they were encoded from."""
+        self._rows_encoding_bytes -= rows_bytes
         for message in messages:
+            self._pushed_bytes += len(getattr(message, "body", b""))
             self._queue.put_nowait(message)
+
+    @property
+    def backlog_bytes(self) -> int:
+        """What this handoff holds that no link has taken yet (rows still encoding too)."""
+        return self._rows_encoding_bytes + self._pushed_bytes - self.sent_bytes
 
     def add_layer(self, index: int, layer: CacheLayer) -> None:
         if not self.aborted:
@@ -108,8 +123,14 @@ class OutgoingHandoff:
         return hasattr(self.strategy, "add_rows")
 
     def add_rows(self, index: int, first_token: int, arrays: Mapping[str, Any]) -> None:
-        if not self.aborted and self.takes_rows:
-            self._plan(self._rows_messages, index, first_token, arrays)
+        if self.aborted or not self.takes_rows or self.rows_stopped:
+            return
+        if self.backlog_bytes > ROWS_BACKLOG_BYTES:  # the link is behind prefill
+            self.rows_stopped = True  # for good: a layer's later rows would leave a gap
+            return
+        nbytes = sum(array.nbytes for array in arrays.values())
+        self._rows_encoding_bytes += nbytes
+        self._plan(self._rows_messages, index, first_token, arrays, rows_bytes=nbytes)
 
     def finish(self, first_token: int) -> None:
         self.finished_s = time.monotonic()
@@ -133,11 +154,12 @@ class OutgoingHandoff:
     def _final_messages(self) -> list[object]:
         return [_DONE] if self.aborted else [*self.strategy.finish(), _DONE]
 
-    def _plan(self, step: Callable[..., list], *args: object) -> None:
+    def _plan(self, step: Callable[..., list], *args: object, rows_bytes: int = 0) -> None:
         """Queue what ``step(*args)`` returns: on the encoder thread where there is one (its
         one worker keeps the order), else now; a HandoffError fails this handoff only."""
+        push = partial(self.push, rows_bytes=rows_bytes)
         if self.encoder is None:
-            _run_step(step, args, self.push, self.fail)
+            _run_step(step, args, push, self.fail)
             return
         loop = self._loop
 
@@ -146,7 +168,7 @@ class OutgoingHandoff:
             _call_soon(loop, self.fail, exc)
 
         try:
-            self.encoder.submit(_run_step, step, args, partial(_call_soon, loop, self.push), failed)
+            self.encoder.submit(_run_step, step, args, partial(_call_soon, loop, push), failed)
         except RuntimeError:  # the encoder shut down: the node is closing
             self.fail(HandoffError("the prefill node is shutting down", code="cancelled"))
 

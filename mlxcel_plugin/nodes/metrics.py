@@ -56,6 +56,10 @@ class PrefillMetrics(NodeMetrics):
         self.handoff_chunks_ahead = Counter(
             "mlxcel:handoff_chunks_ahead", "KV chunks sent during prefill, each cell's rows "
             "after its forward (kv_serde/early_rows.py), in acked handoffs.", registry=r)
+        self.handoff_rows_stopped = Counter(
+            "mlxcel:handoff_rows_stopped", "Acked handoffs whose cells' rows stopped going "
+            "ahead: the link fell too far behind prefill (the rest went with its layers).",
+            registry=r)
         self.handoff_choices = Counter("mlxcel:handoff_choices",
                                        "Handoffs started, by transfer strategy and codec.",
                                        ["strategy", "codec"], registry=r)
@@ -65,6 +69,15 @@ class PrefillMetrics(NodeMetrics):
                                 registry=r)
         _gauge(r, "mlxcel:prefill_queue_depth", "Requests waiting for prefill.", queue_depth)
         _gauge(r, "mlxcel:kv_cache_bytes", "KV bytes held (awaiting handoff ack).", kv_bytes)
+
+    def observe_handoff(self, elapsed_s: float, sent_bytes: int, chunks_ahead: int,
+                        rows_stopped: bool) -> None:
+        """One acked handoff: first token to ack, bytes, and what went ahead of prefill."""
+        self.handoff_time.observe(elapsed_s)
+        self.handoff_bytes.observe(sent_bytes)
+        self.handoff_chunks_ahead.inc(chunks_ahead)
+        if rows_stopped:
+            self.handoff_rows_stopped.inc()
 
 
 class DecodeMetrics(NodeMetrics):

@@ -289,10 +289,8 @@ class PrefillNode:
         return job.first_token_s + self.parts.transfer_config.transfer_timeout_s
 
     def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff) -> None:
-        elapsed = time.monotonic() - job.first_token_s
-        self.metrics.handoff_time.observe(elapsed)
-        self.metrics.handoff_bytes.observe(handoff.sent_bytes)
-        self.metrics.handoff_chunks_ahead.inc(handoff.chunks_ahead)
+        self.metrics.observe_handoff(time.monotonic() - job.first_token_s, handoff.sent_bytes,
+                                     handoff.chunks_ahead, handoff.rows_stopped)
         self.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()))
         if job.choice is not None:
             self.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,

@@ -7,14 +7,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import CodecError
+from mlxcel_plugin.kv_serde import assemble_messages
 from mlxcel_plugin.link import LinkClosed
 from mlxcel_plugin.link.protocol.frames import FrameType
+from mlxcel_plugin.nodes import handoff_sender
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff, TargetLost
 from mlxcel_plugin.nodes.kv_wire import frame_to_messages
-from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
-from mlxcel_plugin.transfer import LayerParallelTransfer, StrategyOptions
+from mlxcel_plugin.testing.caches import (
+    assert_caches_equal,
+    make_cache,
+    make_fingerprint,
+    make_header,
+)
+from mlxcel_plugin.transfer import LayerParallelTransfer, StrategyOptions, StreamedTransfer
 
 
 class FakeLane:
@@ -250,3 +258,45 @@ def test_layers_queued_behind_a_refusal_are_not_encoded():
         assert strategy.encoded == [] and strategy.threads == []
 
     asyncio.run(scenario())
+
+
+def test_rows_stop_going_ahead_once_the_link_falls_behind_and_the_cache_still_arrives_whole(
+        monkeypatch):
+    """Over a link slower than prefill the rows' copies would pile up: past the backlog
+    bound the rest of every layer goes with the layer, and the receiver gets the same cache."""
+    monkeypatch.setattr(handoff_sender, "ROWS_BACKLOG_BYTES", 5_000)
+    fingerprint = make_fingerprint(num_layers=3, kv_heads=2, head_dim=16, dtype="float16")
+    cache = make_cache(fingerprint, 40, seed=4)
+    cells = [(0, 10), (10, 20), (20, 30), (30, 39)]
+
+    async def scenario():
+        lane = FakeLane(stall=True)  # a link that takes nothing until released
+        strategy = StreamedTransfer(StrategyOptions())
+        handoff = OutgoingHandoff(make_header(fingerprint, 40), strategy, "decode-1")
+        handoff.push(strategy.start(handoff.header))
+
+        async def ready():
+            return [lane]
+
+        handoff.run(asyncio.ensure_future(ready()))
+        taken = []
+        for first, end in cells:  # each cell's rows of every layer, as prefill makes them
+            for index, layer in enumerate(cache.layers):
+                arrays = {"k": layer.keys[:, :, first:end].copy(),
+                          "v": layer.values[:, :, first:end].copy()}
+                handoff.add_rows(index, first, arrays)
+                taken.append(not handoff.rows_stopped)
+            await settle()
+        assert handoff.rows_stopped and taken[0] and not taken[-1]
+        assert 0 < handoff.chunks_ahead < 2 * 2 * 3 * len(cells)  # not every cell went ahead
+        assert handoff.backlog_bytes <= 5_000 + 2 * 10 * 2 * 16 * 2  # the bound + one layer's cell
+        for index, layer in enumerate(cache.layers):
+            handoff.add_layer(index, layer)
+        handoff.finish(first_token=7)
+        lane.released.set()
+        await until(lambda: lane.frames and lane.frames[-1].type is FrameType.KV_END)
+        assert handoff.backlog_bytes == 0
+        return [m for frame in lane.frames for m in frame_to_messages(frame)]
+
+    messages = asyncio.run(scenario())
+    assert_caches_equal(assemble_messages(messages, fingerprint, builtin_codecs()).cache, cache)
