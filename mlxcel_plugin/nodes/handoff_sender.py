@@ -39,7 +39,7 @@ from mlxcel_plugin.link import (
 )
 from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType
 from mlxcel_plugin.nodes.kv_wire import announced_serde_versions, frames_for
-from mlxcel_plugin.transfer import TransferStrategy
+from mlxcel_plugin.transfer import TransferStrategy, sends_rows_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +117,8 @@ class OutgoingHandoff:
         if not self.aborted:
             self._plan(self._layer_messages, index, layer)
 
-    @property
-    def takes_rows(self) -> bool:
-        """Whether the strategy sends prefill cells' rows ahead of their layers."""
-        return hasattr(self.strategy, "add_rows")
-
     def add_rows(self, index: int, first_token: int, arrays: Mapping[str, Any]) -> None:
-        if self.aborted or not self.takes_rows or self.rows_stopped:
+        if self.aborted or not sends_rows_ahead(self.strategy) or self.rows_stopped:
             return
         if self.backlog_bytes > ROWS_BACKLOG_BYTES:  # the link is behind prefill
             self.rows_stopped = True  # for good: a layer's later rows would leave a gap

@@ -54,6 +54,7 @@ from mlxcel_plugin.transfer import (
     BandwidthEstimator,
     TransferChoice,
     make_strategy,
+    sends_rows_ahead,
 )
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class PrefillNode:
 
         choice = self._select(job, streaming=True) if hands_off else None
         strategy = self.parts.strategies.get(choice.strategy) if choice else None
-        if hasattr(strategy, "add_rows") and prefill_rows(self.engine):  # else no rows copied
+        if sends_rows_ahead(strategy) and prefill_rows(self.engine):  # else no rows copied
             self.engine.prefill(job.request, on_done, on_layer, on_rows=on_rows)
         else:
             self.engine.prefill(job.request, on_done, on_layer)

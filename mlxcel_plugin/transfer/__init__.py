@@ -8,6 +8,7 @@ from mlxcel_plugin.transfer.base import (
     WriterStrategy,
     make_strategy,
     plan_transfer,
+    sends_rows_ahead,
 )
 from mlxcel_plugin.transfer.config import AUTO, TransferConfig
 from mlxcel_plugin.transfer.full import FullTransfer
@@ -31,4 +32,5 @@ __all__ = [
     "WriterStrategy",
     "make_strategy",
     "plan_transfer",
+    "sends_rows_ahead",
 ]

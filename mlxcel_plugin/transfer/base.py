@@ -109,6 +109,11 @@ def plan_transfer(
     return messages
 
 
+def sends_rows_ahead(strategy: object) -> bool:
+    """Whether a strategy (or its factory) offers ``add_rows``: cells' rows before layers."""
+    return hasattr(strategy, "add_rows")
+
+
 def make_strategy(
     strategy: str,
     codec: str,
