@@ -39,8 +39,8 @@ from engines.grammar import request_sampler
 from engines.kv_quant import KVQuantizer
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, prepare_prefills
-from engines.prefix_cache import PrefixCache
-from engines.prefix_splice import check_handoff, handoff_caches
+from engines.prefix.cache import PrefixCache
+from engines.prefix.splice import check_handoff, handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import (
@@ -271,7 +271,7 @@ class MlxEngine:
             self._run_generate(job)
         else:
             self._run_prefill_only(job)
-        self._prefix.store_pending()  # off the first token's path (engines/prefix_cache.py)
+        self._prefix.store_pending()  # off the first token's path (engines/prefix/cache.py)
         self._fit_prefix_cache()
 
     def _prefill_request(self, request: GenerationRequest, on_layer: Any = None,

@@ -10,14 +10,14 @@ def make_mlx_engine(model_path: str, config: EngineConfig):  # -> engines.mlx_en
     """Load ``model_path`` (an mlx-lm checkpoint) into an engine; MLX is imported only here.
 
     Under a ring of several ranks (``MLX_HOSTFILE``, as ``--shard-ranks`` or ``mlx.launch``
-    set it) this process is rank 0 of a tensor-parallel engine (engines/sharding_engine.py).
+    set it) this process is rank 0 of a tensor-parallel engine (engines/sharding/engine.py).
     """
     from engines.mlx_engine import MlxEngine
-    from engines.sharding import ring_group_from_env
+    from engines.sharding.group import ring_group_from_env
 
     group = ring_group_from_env()
     if group is not None:
-        from engines.sharding_ranks import lead
+        from engines.sharding.ranks import lead
 
         return lead(model_path, config, group)
     return MlxEngine.from_path(model_path, config)

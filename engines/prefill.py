@@ -16,11 +16,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines import kv_convert, padded_keys, reuse_probe
+from engines import kv_convert
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.grammar import request_sampler, warm_grammar_tokenizer
-from engines.prefill_grid import PrefillGrid
-from engines.prefix_cache import PrefixCache
+from engines.prefix import padded_keys, reuse_probe
+from engines.prefix.cache import PrefixCache
+from engines.prefix.grid import PrefillGrid
 from engines.prompt_logprobs import prompt_logprobs_collector
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, ModelInfo
@@ -54,7 +55,7 @@ def run_prefill(
     """Run the prompt through ``model`` into ``caches``; return the last position's logits.
 
     ``grid`` (or a chunk size) splits forwards: never across a cell's end, the last token
-    alone (engines/prefill_grid.py); ``caches`` may hold a prefix of ``tokens``, resumed
+    alone (engines/prefix/grid.py); ``caches`` may hold a prefix of ``tokens``, resumed
     after. On an any-token grid a forward's keys are padded to its cell's end (padded_keys).
 
     Each forward is evaluated as it goes (bounded memory); ``on_cell(first, end, caches)``

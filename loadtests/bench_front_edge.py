@@ -99,14 +99,14 @@ class InstantBackend:
 
 
 def _make_app(tokenizer, with_key: bool):
-    from router_plugin.front import make_app
+    from router_plugin.http.front import make_app
 
     backend = InstantBackend(tokenizer.encode("hi", add_special_tokens=False)[0])
     kwargs = {}
     if with_key:
         if "options" not in inspect.signature(make_app).parameters:
             return None
-        from router_plugin.front_options import FrontOptions
+        from router_plugin.http.options import FrontOptions
 
         kwargs["options"] = FrontOptions(api_keys=frozenset({KEY}))
     return make_app(backend, tokenizer, "bench", **kwargs)

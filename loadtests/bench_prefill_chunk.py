@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines.model_loader import load_mlx_model
 from engines.model_store import ensure_default_model
 from engines.prefill import run_prefill
-from engines.prefix_cache import PrefixCache
+from engines.prefix.cache import PrefixCache
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -89,7 +89,7 @@ def _step_gaps(engine, batch: int, tokens: int, tag: str) -> list[float]:
 
 def _frame_us(group) -> float:
     """One protocol frame (a 1 KiB all-reduce): empty iterations the idle follower runs too."""
-    from engines.sharding_protocol import send_end
+    from engines.sharding.protocol import send_end
 
     started, rounds = time.perf_counter(), 200
     for _ in range(rounds):

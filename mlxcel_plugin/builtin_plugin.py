@@ -77,7 +77,7 @@ def mlxcel_register_roles(register: Register) -> None:
 
 def make_fake_engine(model_path, config):
     """A deterministic engine without MLX, for tests and the router-overhead benchmark."""
-    from mlxcel_plugin.testing.fake_engine import make_fake_engine as make
+    from mlxcel_plugin.testing.fake_autoregressive import make_fake_engine as make
 
     return make(model_path, config)
 

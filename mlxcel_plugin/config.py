@@ -43,14 +43,14 @@ class ServerConfig:
     prefill_balancer: str = "prefix-aware"
     decode_balancer: str = "prefix-aware"
     log_level: str = "info"
-    # The HTTP front of hybrid and router (router_plugin/front_options.py).
+    # The HTTP front of hybrid and router (router_plugin/http/options.py).
     # --api-key, repeatable; empty: no key asked. Kept out of repr (logs, tracebacks).
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     metrics_require_key: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
-    # Tensor-parallel ranks of one engine role (engines/sharding_engine.py): N local ranks,
+    # Tensor-parallel ranks of one engine role (engines/sharding/engine.py): N local ranks,
     # or a ring hostfile (mlx's JSON, one ["ip:port"] per rank) and this process's rank.
     shard_ranks: int = 1
     shard_hostfile: str | None = None

@@ -194,7 +194,7 @@ class PrefixCacheStats:
     evictions: int = 0  # entries dropped to stay in budget (counter)
     capacity_bytes: int = 0  # the cache's bound; 0: the engine keeps no prefixes
     # Any prompt token is reused exactly when a forward has at least this many rows;
-    # 0: whole chunks only (engines/prefill_grid.py, engines/reuse_probe.py).
+    # 0: whole chunks only (engines/prefix/grid.py, engines/prefix/reuse_probe.py).
     exact_min_rows: int = 0
 
 
@@ -217,7 +217,7 @@ class PrefixCacheConfig:
     # Also reuse what decode computed (the reply): faster turns, not byte-identical.
     reuse_generated: bool = False
     # "auto": reuse any prefilled token where the engine's start-up probe finds that exact
-    # (engines/reuse_probe.py), else whole chunks; "chunk": whole chunks only, no probe.
+    # (engines/prefix/reuse_probe.py), else whole chunks; "chunk": whole chunks only, no probe.
     # Every node of a cluster must resolve it alike (the same kind of machine).
     granularity: str = "auto"
     # Router: a decode node believed to hold all but at most this many prompt tokens

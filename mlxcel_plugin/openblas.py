@@ -8,7 +8,7 @@ On a CPU with AVX-512 it also asks for OpenBLAS's SkylakeX kernels
 kernels, whose float rounding for one row of a matrix product depends on how
 many rows are computed with it, while the SkylakeX kernels give every row of
 a product of 32+ rows the same bits. That is what lets the prefix cache reuse
-any prefilled token exactly (engines/reuse_probe.py, docs/prefix-cache.md);
+any prefilled token exactly (engines/prefix/reuse_probe.py, docs/prefix-cache.md);
 prefill speed is the same or better. This overrides an ``OPENBLAS_CORETYPE``
 already set (some machine images pin Haswell) for the node's own process;
 ``MLXCEL_OPENBLAS_CORETYPE=keep`` keeps it, any other value is used instead.

@@ -1,7 +1,7 @@
 """Starting the tensor-parallel ranks of a sharded engine role (``--shard-*`` flags).
 
 * ``--shard-ranks N``: N ranks on this machine. This process is rank 0 (it
-  serves the role); ranks 1..N-1 are ``python -m engines.sharding_follower``
+  serves the role); ranks 1..N-1 are ``python -m engines.sharding.follower``
   children on a loopback ring hostfile written here. If one of them dies, the
   node exits at once: rank 0 would otherwise wait in its next all-reduce for good.
 * ``--shard-hostfile PATH --shard-rank R`` (or ``mlx.launch``'s ``MLX_HOSTFILE``
@@ -28,7 +28,7 @@ from mlxcel_plugin.config import ServerConfig
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port
 
 log = logging.getLogger(__name__)
-FOLLOWER_MODULE = "engines.sharding_follower"
+FOLLOWER_MODULE = "engines.sharding.follower"
 HOSTFILE_ENV = "MLX_HOSTFILE"
 RANK_ENV = "MLX_RANK"
 FOLLOWER_STOP_TIMEOUT_S = 10.0

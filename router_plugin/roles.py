@@ -25,21 +25,21 @@ from mlxcel_plugin.nodes.roles import node_settings
 from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.prefix_cache_metrics import register_prefix_cache
 from mlxcel_plugin.text import TextTokenizer
-from router_plugin.admission import AdmissionController, BackpressureConfig
-from router_plugin.backend import LocalEngineBackend
-from router_plugin.cluster_backend import ClusterBackend, RouterConfig
+from router_plugin.cluster.admission import AdmissionController, BackpressureConfig
+from router_plugin.cluster.backend import ClusterBackend, RouterConfig
+from router_plugin.cluster.health import HealthConfig, HealthMonitor
+from router_plugin.cluster.node_pool import NodePool
+from router_plugin.cluster.peer_links import PeerLinks, make_dialer
+from router_plugin.cluster.prefix_index import PrefixIndex
+from router_plugin.cluster.stats import RouterCollector, RouterStats, make_stats_route
+from router_plugin.cluster.stream_bridge import DECODE, PREFILL
 from router_plugin.discovery import discover_pools
 from router_plugin.discovery.membership import with_membership
 from router_plugin.discovery.wiring import attach_discovery
-from router_plugin.drain import DrainGate, DrainingServer
-from router_plugin.front import make_app
-from router_plugin.front_options import FrontOptions
-from router_plugin.health import HealthConfig, HealthMonitor
-from router_plugin.node_pool import NodePool
-from router_plugin.peer_links import PeerLinks, make_dialer
-from router_plugin.prefix_index import PrefixIndex
-from router_plugin.stats import RouterCollector, RouterStats, make_stats_route
-from router_plugin.stream_bridge import DECODE, PREFILL
+from router_plugin.http.backend import LocalEngineBackend
+from router_plugin.http.drain import DrainGate, DrainingServer
+from router_plugin.http.front import make_app
+from router_plugin.http.options import FrontOptions
 
 logger = logging.getLogger(__name__)
 

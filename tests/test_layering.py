@@ -6,7 +6,10 @@ Rules, by importing package:
 * the sans-I/O link protocol (``mlxcel_plugin/link/protocol/``) does no I/O: no asyncio,
   websockets or sockets;
 * ``router_plugin`` never imports MLX, mlx-lm or ``engines`` (the router holds no weights);
-* ``engines`` never imports ``router_plugin``.
+* ``engines`` never imports ``router_plugin``;
+* the router's HTTP front (``router_plugin/http``) knows nothing of the cluster or LiteLLM, and
+  the cluster nothing of LiteLLM;
+* no product module imports itself back through others (no import cycle).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ RULES = (
     Rule("mlxcel_plugin.link.protocol", IO),
     Rule("router_plugin", (*MLX, "engines")),
     Rule("engines", ("router_plugin",)),
+    Rule("router_plugin.http", ("router_plugin.cluster", "router_plugin.litellm")),
+    Rule("router_plugin.cluster", ("router_plugin.litellm",)),
 )
 
 
@@ -101,7 +106,7 @@ def product_modules() -> list[Path]:
 
 def test_product_tree_is_found():
     names = {module_name(p) for p in product_modules()}
-    assert {"mlxcel_plugin.hookspecs", "router_plugin.front", "engines.mlx_engine"} <= names
+    assert {"mlxcel_plugin.hookspecs", "router_plugin.http.front", "engines.mlx_engine"} <= names
     assert any(_within(n, "mlxcel_plugin.link.protocol") for n in names)
 
 
@@ -147,7 +152,7 @@ def test_sans_io_protocol_may_not_do_io():
 
 
 def test_router_and_engines_rules():
-    assert violations("import mlx_lm", "router_plugin.front")
+    assert violations("import mlx_lm", "router_plugin.http.front")
     assert violations("from engines import mlx_engine", "router_plugin.roles")
     assert violations("from router_plugin.balancers import base", "engines.mlx_engine")
     assert violations("from mlxcel_plugin.errors import MlxcelError", "engines.mlx_engine") == []
@@ -160,3 +165,52 @@ def test_relative_import_from_package_init_resolves_inside_package():
     assert names == [(1, "mlxcel_plugin.link.protocol.frames")]
     names = imported_names("from ..errors import *", "mlxcel_plugin.link.protocol.records")
     assert names == [(1, "mlxcel_plugin.link.errors")]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Product module -> the product modules it imports (function bodies included)."""
+    modules = {module_name(p): p for p in product_modules()}
+    graph = {}
+    for name, path in modules.items():
+        source = path.read_text(encoding="utf-8")
+        targets = set()
+        for _, target in imported_names(source, name, path.name == "__init__.py"):
+            # ``from pkg import name`` names a module or an attribute of one.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not _within(name, target):
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as ``[a, b, ..., a]``, or ``[]`` (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return []
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []

@@ -1,5 +1,5 @@
 """The module the LiteLLM proxy loads from the config's directory (``custom_handler``)."""
 
-from router_plugin.litellm_provider import MlxcelProvider
+from router_plugin.litellm.provider import MlxcelProvider
 
 mlxcel_provider = MlxcelProvider()

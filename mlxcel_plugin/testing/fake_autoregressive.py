@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlxcel_plugin.engine_api import GenerationRequest
-from mlxcel_plugin.testing.fake_engine import FakeEngine
+from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest
+from mlxcel_plugin.testing.fake_engine import FakeEngine, FakeEngineSettings
 from mlxcel_plugin.testing.fake_model import CONFIG_FILE, EOS_TOKEN_ID, next_token
 
 KNOB = "autoregressive"
@@ -85,3 +85,8 @@ class AutoregressiveFakeEngine(FakeEngine):
 def engine_class(model_dir: str | Path | None) -> type[FakeEngine]:
     """The engine ``fake_engine.json`` in ``model_dir`` asks for."""
     return AutoregressiveFakeEngine if reads_autoregressive(model_dir) else FakeEngine
+
+
+def make_fake_engine(model_path: str | None, config: EngineConfig) -> FakeEngine:
+    """The ``fake`` engine factory: mode and knobs from ``fake_engine.json`` in ``model_path``."""
+    return engine_class(model_path)(FakeEngineSettings.from_dir(model_path), config)

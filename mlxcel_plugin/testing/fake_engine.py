@@ -67,7 +67,6 @@ __all__ = [
     "FakeEngineSettings",
     "Script",
     "expected_tokens",
-    "make_fake_engine",
     "make_layer",
     "next_token",
     "prompt_from_cache",
@@ -389,10 +388,3 @@ class FakeEngine:
         )
         if elapsed > 5.0:
             self._speed = _Stats()
-
-
-def make_fake_engine(model_path: str | None, config: EngineConfig) -> FakeEngine:
-    """The ``fake`` engine factory (knobs from ``fake_engine.json`` in ``model_path``)."""
-    # Imported here: that module subclasses this one's engine.
-    from mlxcel_plugin.testing.fake_autoregressive import engine_class
-    return engine_class(model_path)(FakeEngineSettings.from_dir(model_path), config)

@@ -8,7 +8,7 @@ the pool counts as imbalanced when its busiest node carries both
 then load decides. Otherwise the longest cached prefix wins, provided that node
 is within ``BALANCE_ABS_REQUESTS`` of the least loaded; ties and prompts no node
 holds go to the least loaded. ``NodeView.cached_prefix_tokens`` is the router's
-guess of what each node holds (router_plugin/prefix_index.py).
+guess of what each node holds (router_plugin/cluster/prefix_index.py).
 """
 
 from __future__ import annotations

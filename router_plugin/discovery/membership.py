@@ -24,7 +24,7 @@ from typing import Any
 
 from mlxcel_plugin.discovery_api import DiscoverySource, Member, Snapshot
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
-from router_plugin.peer_links import PeerLink, PeerLinks
+from router_plugin.cluster.peer_links import PeerLink, PeerLinks
 
 ALLOW_ANY = DecodeAllowlist()
 logger = logging.getLogger(__name__)

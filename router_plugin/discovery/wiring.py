@@ -27,10 +27,10 @@ from mlxcel_plugin.discovery_api import (
 from mlxcel_plugin.link import require_cluster_secret
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
 from mlxcel_plugin.plugins import PluginRegistry
-from router_plugin.cluster_backend import ClusterBackend
+from router_plugin.cluster.backend import ClusterBackend
+from router_plugin.cluster.node_pool import NodeHealth
+from router_plugin.cluster.peer_links import PeerLink, make_dialer
 from router_plugin.discovery.membership import DRAINING, Membership
-from router_plugin.node_pool import NodeHealth
-from router_plugin.peer_links import PeerLink, make_dialer
 
 logger = logging.getLogger(__name__)
 

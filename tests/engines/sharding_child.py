@@ -1,7 +1,7 @@
-"""Rank 0 of a 2-rank sharded engine beside an unsharded one (tests/engines/test_sharding_ranks.py).
+"""Rank 0 of a 2-rank sharded engine beside an unsharded one (tests/engines/sharding/test_ranks.py).
 
 ``python -m tests.engines.sharding_child MODEL`` (with ``MLX_HOSTFILE``/``MLX_RANK=0``
-set and rank 1 running ``engines.sharding_follower``) prints one JSON object:
+set and rank 1 running ``engines.sharding.follower``) prints one JSON object:
 the tokens of each case on the unsharded engine, the sharded one, and across
 them (sharded prefill -> unsharded decode, and the reverse), plus how close
 the two engines' first-token logits and handed-off K/V are.

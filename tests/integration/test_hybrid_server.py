@@ -4,7 +4,7 @@ The tiny random checkpoint produces gibberish, but deterministic gibberish
 (greedy): stop strings are cut from text the server produced before, and
 concurrency is checked against sequential results. The reasoning split needs
 a model that writes ``<think>`` tags; it is covered over a fake engine in
-``tests/router_plugin/test_front.py``.
+``tests/router_plugin/http/test_front.py``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 
 from mlxcel_plugin.local_cluster import LOOPBACK, LocalCluster, free_port  # noqa: E402
-from router_plugin.litellm_provider import MlxcelProvider  # noqa: E402
+from router_plugin.litellm.provider import MlxcelProvider  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "litellm"

@@ -8,7 +8,7 @@ an unsharded hybrid node's answers: the handoff carries whole K/V (gathered
 from both ranks, or split between them on arrival), so neither side needs to
 know of the other's split. The
 tiny llama keeps greedy tokens clear of ties, so the text is the same (what
-exactly is guaranteed: tests/engines/test_sharding_ranks.py).
+exactly is guaranteed: tests/engines/sharding/test_ranks.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def followers_of(pid: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"engines.sharding_follower" in argv and str(pid).encode() in argv:
+        if b"engines.sharding.follower" in argv and str(pid).encode() in argv:
             found.append(int(entry.name))
     return found
 

@@ -79,7 +79,7 @@ def test_an_unsharded_node_leaves_the_env_alone(monkeypatch: pytest.MonkeyPatch)
 
 def test_a_follower_runs_the_engine_side_module():
     argv = shard_ranks.follower_argv("/models/m", parent_pid=42)
-    assert argv == [sys.executable, "-m", "engines.sharding_follower", "--model", "/models/m",
+    assert argv == [sys.executable, "-m", "engines.sharding.follower", "--model", "/models/m",
                     "--parent-pid", "42"]
 
 

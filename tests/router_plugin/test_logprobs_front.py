@@ -12,8 +12,8 @@ import pytest
 from mlxcel_plugin.testing.fake_engine import SCRIPTED_VOCAB_SIZE
 from mlxcel_plugin.testing.fake_logprobs import fake_logprobs
 from mlxcel_plugin.text import TextTokenizer
-from router_plugin.backend import LocalEngineBackend
-from router_plugin.front import make_app
+from router_plugin.http.backend import LocalEngineBackend
+from router_plugin.http.front import make_app
 
 MODEL = "tiny"
 EOS = 2

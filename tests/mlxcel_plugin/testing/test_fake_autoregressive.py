@@ -9,8 +9,9 @@ from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, SamplingPa
 from mlxcel_plugin.testing.fake_autoregressive import (
     AutoregressiveFakeEngine,
     autoregressive_tokens,
+    make_fake_engine,
 )
-from mlxcel_plugin.testing.fake_engine import FakeEngine, make_fake_engine
+from mlxcel_plugin.testing.fake_engine import FakeEngine
 from mlxcel_plugin.testing.fake_model import expected_tokens
 
 SEEDED = SamplingParams(temperature=0.7, seed=11)

@@ -15,7 +15,8 @@ from mlxcel_plugin.engine_api import (
     GenerationRequest,
     TokenEvent,
 )
-from mlxcel_plugin.testing.fake_engine import FakeEngine, Script, make_fake_engine
+from mlxcel_plugin.testing.fake_autoregressive import make_fake_engine
+from mlxcel_plugin.testing.fake_engine import FakeEngine, Script
 
 EOS = 2
 

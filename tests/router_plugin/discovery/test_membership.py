@@ -7,10 +7,10 @@ import logging
 
 from mlxcel_plugin.discovery_api import Member
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
+from router_plugin.cluster.node_pool import NodeHealth, NodePool
+from router_plugin.cluster.peer_links import PeerLink, PeerLinks
 from router_plugin.discovery.membership import Membership, with_membership
 from router_plugin.discovery.wiring import MembershipCollector
-from router_plugin.node_pool import NodeHealth, NodePool
-from router_plugin.peer_links import PeerLink, PeerLinks
 
 A, B = "10.0.0.1:9000", "10.0.0.2:9000"
 

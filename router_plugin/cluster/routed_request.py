@@ -1,0 +1,395 @@
+"""One request's run across a prefill node and a decode node.
+
+Its place in the whole path: docs/cluster-flow.md, "One request on the router".
+
+A ``RoutedRequest`` owns everything the router holds for one request below the
+text layer: its placements (attempts), the inbox its nodes' RESULT frames land
+in, the ``StreamBridge`` merging them, and its outcome counters. What it needs
+from the router comes in a ``RoutingContext`` (node selection, the pool's
+dispatch counts, the stats sink, the admission wake-up, the re-route limit); it
+never sees the ``ClusterBackend``. Read it top to bottom: ``events`` places the
+request, then turns node events into ``TokenEvent`` batches (``index`` = seq);
+``close`` cancels and counts.
+
+Faults: a node lost (or at capacity) before the client saw a token → the
+request is placed again (a new wire id, so late frames of the old attempt
+cannot leak in; the old claim is cancelled); a node lost, failed or silent for
+``token_timeout_s`` after it → the request migrates (``migration.py``: prompt +
+streamed tokens on a new pair, up to ``max_migrations``, then one error event);
+``P`` lost once ``D`` streams → ``D`` carries on. The iterator closed early
+(client gone, stop string) → CANCEL to whichever side is still working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from mlxcel_plugin.balancer_api import RequestInfo
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
+from mlxcel_plugin.errors import (
+    AtCapacityError,
+    CacheNotTransferableError,
+    ContextLengthError,
+    InvalidRequestError,
+    MlxcelError,
+    NodeLostError,
+    NoHealthyNodeError,
+)
+from mlxcel_plugin.link.protocol.frames import Request
+from mlxcel_plugin.logprobs import PromptLogprobs
+from router_plugin.cluster.migration import (
+    DEFAULT_MAX_MIGRATIONS,
+    DEFAULT_TOKEN_TIMEOUT_S,
+    TOKEN_TIMEOUT_CODE,
+    MigrationLedger,
+    failed_result_as_error,
+    moves_request,
+    next_batch_within,
+    stall_event,
+)
+from router_plugin.cluster.node_pool import NodePool
+from router_plugin.cluster.peer_links import PeerEvent, PeerLink
+from router_plugin.cluster.stats import RouterStats
+from router_plugin.cluster.stream_bridge import (
+    DECODE,
+    PREFILL,
+    BridgeOutput,
+    BridgeState,
+    ResultEvent,
+    StreamBridge,
+)
+
+logger = logging.getLogger(__name__)
+
+AT_CAPACITY_CODES = frozenset({AtCapacityError.code, NoHealthyNodeError.code})
+# A node's refusal that is the client's fault: the same 400 a single node would give
+# (or 501: a model that cannot run disaggregated; no other node would do better).
+CLIENT_ERRORS: dict[str, type[MlxcelError]] = {
+    InvalidRequestError.code: InvalidRequestError,
+    ContextLengthError.code: ContextLengthError,
+    "prompt_too_long": ContextLengthError,
+    CacheNotTransferableError.code: CacheNotTransferableError,
+}
+
+# (role, request, excluded node ids, prompt prefix keys) -> a healthy node of that role
+SelectNode = Callable[[str, RequestInfo, Collection[str], Sequence[int]], Awaitable[PeerLink]]
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    """What a routed request needs from the router, passed in (shared by all requests)."""
+
+    select: SelectNode  # the balancers' pick, re-probing unreachable nodes once
+    pool: NodePool  # dispatch/finish counts, which the balancers read
+    stats: RouterStats
+    on_load_change: Callable[[], None]  # a dispatch changed the load: admission may act
+    max_placements: int  # first placement + re-routes
+    # A decode node believed to hold all but this many prompt tokens prefills them itself.
+    local_prefill_tokens: int = 0
+    clock: Callable[[], float] = time.monotonic  # for the pool's telemetry ages
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS  # moves after the client saw a token
+    token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S  # once streaming, silence migrates; 0: off
+
+
+@dataclass
+class Placement:
+    """One routing attempt of a request: its wire id and the two nodes serving it."""
+
+    attempt: int
+    wire_id: str
+    prefill: PeerLink | None  # None: the decode node prefills itself (a local request)
+    decode: PeerLink
+    # "done": that side holds nothing more for this attempt (finished, failed or gone).
+    prefill_done: bool = False
+    decode_done: bool = False
+    # Prompt tokens the decode node was believed to hold when placed (before this request).
+    decode_held_tokens: int = 0
+    released: bool = False  # its routes freed and its nodes' counts given back
+
+    def sides(self) -> list[tuple[PeerLink, bool]]:
+        """(node, done) for each node serving this attempt."""
+        both = [(self.prefill, self.prefill_done), (self.decode, self.decode_done)]
+        return [(peer, done) for peer, done in both if peer is not None]
+
+
+def wire_id(request_id: str, attempt: int) -> str:
+    # A fresh id per attempt: frames of an abandoned attempt find no route.
+    return request_id if attempt == 0 else f"{request_id}~{attempt}"
+
+
+class RoutedRequest:
+    """One admitted request: placement, the merged result streams, and its cleanup."""
+
+    def __init__(self, context: RoutingContext, request: GenerationRequest):
+        self.context = context
+        self.request = request  # the current attempt's: a migration extends its prompt
+        self.ledger = MigrationLedger(request, context.max_migrations)
+        self.resumed_at_s: float | None = None  # set while a migrated attempt awaits a token
+        self.blocks = context.pool.prefixes.blocks(request.prompt_tokens)  # prefix index keys
+        self.bridge = StreamBridge()
+        self.inbox: asyncio.Queue[tuple[int, PeerEvent]] = asyncio.Queue()
+        self.placement: Placement | None = None
+        self.excluded: set[str] = set()  # nodes that failed this request (never tried again)
+        self.index = 0  # completion index of the next token
+        self.cached_tokens = 0  # prompt tokens a node had cached (from its first Result)
+        self.prompt_logprobs: PromptLogprobs | None = None  # the same, when asked
+        self.refused = False  # answered 503: no node could take it
+        context.stats.requests.total += 1
+        context.stats.active_prefills += 1
+
+    async def events(self) -> AsyncIterator[list[TokenEvent]]:
+        try:
+            await self._place()
+            while not self.bridge.complete:  # ends with the bridge's one terminal output
+                batch: list[TokenEvent] = []
+                for attempt, event in await self._next_events():
+                    if attempt != self.placement.attempt:
+                        continue  # queued before a re-route or migration; its attempt is gone
+                    for output in await self._on_event(event):
+                        batch += self._token_events(output)
+                if batch:
+                    yield batch
+        except AtCapacityError:
+            self.refused = True  # raised before any token: the client gets 503 + Retry-After
+            raise
+
+    async def _next_events(self) -> list[tuple[int, PeerEvent]]:
+        """The inbox's next batch; a stall between two tokens becomes a failure event.
+
+        Only once the attempt has streamed: before its first token a (re-)prefill may
+        queue like any request's, and a hung node is found by the health pings.
+        """
+        timeout_s = self.context.token_timeout_s if self.bridge.attempt_started else 0.0
+        events = await next_batch_within(self.inbox, timeout_s or None)
+        if events is not None:
+            return events
+        placement = self.placement
+        return [(placement.attempt, stall_event(placement.decode.node_id, timeout_s))]
+
+    # ------------------------------------------------------------ placement
+
+    async def _place(self) -> None:
+        info = RequestInfo(self.request.request_id, len(self.request.prompt_tokens),
+                           self.request.max_tokens)
+        select, excluded = self.context.select, self.excluded
+        decode = await select(DECODE, info, excluded, self.blocks)
+        held = self.context.pool.cached_prefix_tokens(decode.node_id, self.blocks,
+                                                      self.context.clock())
+        prefill = None
+        if not self._local_on(held):
+            prefill = await select(PREFILL, info, excluded, self.blocks)
+        attempt = self.bridge.attempt
+        placement = Placement(attempt, wire_id(self.request.request_id, attempt), prefill, decode,
+                              prefill_done=prefill is None, decode_held_tokens=held)
+        self.placement = placement
+        for peer, _ in placement.sides():
+            peer.register(placement.wire_id, self._sink(attempt))
+            self.context.pool.on_dispatch(peer.node_id)
+            self.context.pool.prefixes.record(peer.node_id, self.blocks)  # it will hold them
+        self.context.on_load_change()
+        if prefill is None:
+            self.context.stats.requests.local_prefills += 1
+            await self._send(placement, decode, self._request_frame(placement))
+            return
+        # REQUEST first: prefill is on the first token's path; D holds a KV that beats the claim.
+        await self._send(placement, prefill, self._request_frame(placement))
+        await self._send(placement, decode, self._claim_frame(placement))
+
+    def _local_on(self, held: int) -> bool:
+        """Does the decode node, holding ``held`` prompt tokens, lack few enough to prefill?"""
+        limit = self.context.local_prefill_tokens
+        missing = len(self.request.prompt_tokens) - held
+        return limit > 0 and held > 0 and missing <= limit
+
+    def _sink(self, attempt: int) -> Callable[[PeerEvent], None]:
+        inbox = self.inbox
+        return lambda event: inbox.put_nowait((attempt, event))
+
+    async def _send(self, placement: Placement, peer: PeerLink, request: Request) -> None:
+        try:
+            await peer.send(request.to_frame())
+        except NodeLostError as exc:
+            # The link went down between selection and send; handle it like any loss.
+            lost = PeerEvent(peer.role, peer.node_id, error=exc.message, lost=True)
+            self.inbox.put_nowait((placement.attempt, lost))
+
+    def _claim_frame(self, placement: Placement) -> Request:
+        r = self.request
+        return Request(placement.wire_id, [], r.sampling.to_dict(), r.max_tokens,
+                       list(r.stop_token_ids), claim=True)
+
+    def _request_frame(self, placement: Placement) -> Request:
+        r = self.request
+        if placement.prefill is None:  # to the decode node itself: it prefills (local)
+            return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
+                           r.max_tokens, list(r.stop_token_ids))
+        # To the prefill node: where to hand off, and what that node holds already, so only
+        # the rest is shipped (a delta; a node that no longer holds it takes the whole cache).
+        return Request(placement.wire_id, list(r.prompt_tokens), r.sampling.to_dict(),
+                       r.max_tokens, list(r.stop_token_ids), placement.decode.address,
+                       decode_cached_tokens=placement.decode_held_tokens)
+
+    # ------------------------------------------------------------ events
+
+    async def _on_event(self, event: PeerEvent) -> list[BridgeOutput]:
+        placement = self.placement
+        if self.bridge.complete:
+            return []  # after the terminal (a failed migration), nothing more matters
+        if event.source == DECODE:
+            placement.prefill_done = True  # D has the KV (or P's part no longer matters)
+        event = failed_result_as_error(event)
+        if event.lost or event.error is not None:
+            if event.code != TOKEN_TIMEOUT_CODE:  # a silent node still works: cancel it
+                self._side_done(event.source)
+            return await self._on_failure(event)
+        result = event.result
+        if result.seq == 0 and not self.bridge.emitted_any_token:
+            self.cached_tokens = result.cached_tokens  # reported with the first token
+            self.prompt_logprobs = result.prompt_logprobs
+        if result.finish_reason is not None:
+            self._side_done(event.source)
+        # else a non-final seq 0 leaves P busy handing the KV to D: it is cancelled if we stop.
+        return self._feed(ResultEvent(event.source, result.seq, tuple(result.token_ids),
+                                      result.finish_reason, result.error, self.bridge.attempt,
+                                      result.logprobs))
+
+    def _feed(self, result: ResultEvent) -> list[BridgeOutput]:
+        had_token = self.bridge.emitted_any_token
+        outputs = self.bridge.feed(result)
+        if not had_token and self.bridge.emitted_any_token:
+            self.context.stats.active_prefills -= 1
+            self.context.stats.active_decodes += 1
+        for output in outputs:
+            self.ledger.record(output.token_ids)
+        if self.resumed_at_s is not None and self.bridge.attempt_started:
+            self.context.stats.observe_migration_resume(self.context.clock() - self.resumed_at_s)
+            self.resumed_at_s = None
+        return outputs
+
+    async def _on_failure(self, event: PeerEvent) -> list[BridgeOutput]:
+        if self.bridge.emitted_any_token:
+            return await self._on_failure_while_streaming(event)
+        if self.bridge.can_reroute and self._worth_rerouting(event):
+            await self._reroute(event.node_id)
+            return []
+        if event.code in CLIENT_ERRORS:
+            raise CLIENT_ERRORS[event.code](f"{event.node_id} refused the request: {event.error}")
+        if event.code in AT_CAPACITY_CODES:
+            raise AtCapacityError(f"{event.node_id} at capacity: {event.error}")
+        return self._end_with(event)
+
+    async def _on_failure_while_streaming(self, event: PeerEvent) -> list[BridgeOutput]:
+        if event.lost and event.source == PREFILL and self.bridge.state is BridgeState.DECODING:
+            return []  # D streams this attempt: it owns the sequence now
+        if self.ledger.can_migrate and moves_request(event, CLIENT_ERRORS):
+            return await self._migrate(event)
+        return self._end_with(event)
+
+    def _end_with(self, event: PeerEvent) -> list[BridgeOutput]:
+        """One error terminal for a failure nothing can cure."""
+        if event.lost:
+            return self.bridge.node_lost(event.source)
+        return self.bridge.finish(FINISH_ERROR, event.error or f"{event.source} node failed")
+
+    async def _migrate(self, event: PeerEvent) -> list[BridgeOutput]:
+        """Continue on a new pair: prompt + streamed tokens, the rest of the budget."""
+        logger.info("migrating %s after %d tokens: %s (%s)", self.request.request_id,
+                    len(self.ledger.generated), event.node_id, event.error)
+        self.excluded.add(event.node_id)
+        await self._release(self.placement, "migrated")
+        self.request = self.ledger.next_request()
+        self.blocks = self.context.pool.prefixes.blocks(self.request.prompt_tokens)
+        self.bridge.resume()
+        self.context.stats.requests.migrated += 1
+        self.resumed_at_s = self.context.clock()
+        try:
+            await self._place_again()
+        except MlxcelError as exc:  # no healthy pair left (or none with room)
+            logger.warning("%s cannot migrate: %s", self.request.request_id, exc.message)
+            return self.bridge.finish(FINISH_ERROR, f"{event.error}; no node to migrate to")
+        return []
+
+    async def _place_again(self) -> None:
+        """Place a moved request; if the nodes it excluded leave no pair, they may serve."""
+        try:
+            await self._place()
+        except NoHealthyNodeError:
+            if not self.excluded:
+                raise
+            # A node that reported a failure may not be the one at fault (P reports D's).
+            self.excluded.clear()
+            await self._place()
+
+    def _worth_rerouting(self, event: PeerEvent) -> bool:
+        if self.bridge.attempt + 1 >= self.context.max_placements:
+            return False
+        return event.lost or event.code in AT_CAPACITY_CODES
+
+    async def _reroute(self, failed_node_id: str) -> None:
+        logger.info("re-routing %s: %s failed before its first token",
+                    self.request.request_id, failed_node_id)
+        self.excluded.add(failed_node_id)
+        await self._release(self.placement, "rerouted")
+        self.bridge.restart()
+        self.context.stats.requests.rerouted += 1
+        await self._place()
+
+    def _side_done(self, source: str) -> None:
+        placement = self.placement
+        if source == PREFILL:
+            placement.prefill_done = True
+        else:
+            placement.decode_done = True
+
+    def _token_events(self, output: BridgeOutput) -> list[TokenEvent]:
+        rid = self.request.request_id
+        if not output.token_ids:
+            return [TokenEvent(rid, self.index, None, output.finish_reason, output.error)]
+        events = []
+        last = len(output.token_ids) - 1
+        for i, token_id in enumerate(output.token_ids):
+            finish = output.finish_reason if i == last else None
+            events.append(TokenEvent(  # the first token brings what P said of the prompt
+                rid, self.index, token_id, finish, output.error if finish else None,
+                0 if self.index else self.cached_tokens,
+                output.logprobs[i] if output.logprobs else None,
+                None if self.index else self.prompt_logprobs))
+            self.index += 1
+        return events
+
+    # ------------------------------------------------------------ cleanup
+
+    async def close(self) -> None:
+        """Cancel what still runs, free the routes, count the outcome."""
+        if self.placement is not None:
+            await self._release(self.placement, "client closed the stream")
+        if self.bridge.emitted_any_token:
+            self.context.stats.active_decodes -= 1
+        else:
+            self.context.stats.active_prefills -= 1
+        self._count_outcome()
+
+    async def _release(self, placement: Placement, reason: str) -> None:
+        if placement.released:
+            return  # a re-placement that failed left it released already
+        placement.released = True
+        for peer, done in placement.sides():
+            peer.unregister(placement.wire_id)
+            self.context.pool.on_finish(peer.node_id)
+            if not done:
+                await peer.cancel(placement.wire_id, reason)
+
+    def _count_outcome(self) -> None:
+        counters = self.context.stats.requests
+        if self.refused:
+            counters.rejected += 1
+        elif not self.bridge.complete:
+            counters.closed_early += 1
+        elif self.bridge.finish_reason == FINISH_ERROR:
+            counters.failed += 1
+        else:
+            counters.completed += 1

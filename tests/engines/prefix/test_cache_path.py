@@ -1,0 +1,100 @@
+"""The prefix cache adds no copy to a request's first-token path (engines/prefix/cache.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engines.mlx_engine import MlxEngine
+from engines.model_loader import load_mlx_model
+from engines.prefill import run_prefill
+from engines.prefix.cache import PrefixCache
+from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, PrefixCacheConfig
+from tests.engines import support
+
+CHUNK = 64
+
+
+def tokens(n: int, seed: int) -> tuple[int, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(int(t) for t in rng.integers(3, 49152, n))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return load_mlx_model(str(tiny_model_path))[0]
+
+
+def prefilled(model, prompt: tuple[int, ...]) -> list:
+    caches = make_prompt_cache(model)
+    run_prefill(model, prompt, caches, CHUNK)
+    return caches
+
+
+def snapshot(caches: list) -> list[np.ndarray]:
+    return [np.array(c.keys[..., : c.offset, :]) for c in caches]
+
+
+def test_a_hit_reads_the_entry_in_place_and_extending_it_leaves_the_entry_alone(model):
+    prompt = tokens(300, seed=1)
+    cache = PrefixCache(1 << 30, CHUNK)
+    cache.store_prompt(prompt, prefilled(model, prompt))
+    entry = cache._lru._trie.get("model", list(prompt[:256])).prompt_cache
+    before = snapshot(entry)
+    hit = cache.lookup(prompt + tokens(40, seed=2))
+    assert hit.reused_tokens == 256
+    # Views of the entry's memory, not copies...
+    assert hit.caches[0].keys.shape[2] == 256 and hit.caches[0].keys is not entry[0].keys
+    longer = prompt + tokens(40, seed=2)
+    logits = run_prefill(model, longer, hit.caches, CHUNK)
+    # ...that the prefill extends into its own buffer: the entry reads as before,
+    for held, was in zip(snapshot(entry), before, strict=True):
+        assert np.array_equal(held, was)
+    # and the logits are a cache-off run's.
+    plain = run_prefill(model, longer, make_prompt_cache(model), CHUNK)
+    assert bool(mx.array_equal(logits, plain).item())
+
+
+def test_store_prompt_later_stores_nothing_until_store_pending(model):
+    prompt = tokens(200, seed=3)
+    cache = PrefixCache(1 << 30, CHUNK)
+    cache.store_prompt_later(prompt, prefilled(model, prompt))
+    assert cache.stats().entries == 0
+    cache.store_pending()
+    assert cache.stats().entries == 1
+    assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
+    cache.store_pending()  # drained: nothing stored twice
+    assert cache.stats().entries == 1
+
+
+def test_store_finished_adopts_the_caches_it_is_handed(model):
+    held = tokens(150, seed=4)
+    caches = prefilled(model, held)
+    cache = PrefixCache(1 << 30, CHUNK, reuse_generated=True)
+    cache.store_finished(held, caches)
+    assert cache._lru._trie.get("model", list(held)).prompt_cache is caches
+    assert cache.stats().cached_bytes == sum(c.nbytes for c in caches)  # spare capacity too
+
+
+def test_the_first_token_is_emitted_before_the_prompt_is_stored(tiny_model_path):
+    prefix = PrefixCacheConfig(max_bytes=1 << 30)
+    eng = MlxEngine.from_path(str(tiny_model_path),
+                              EngineConfig(chunk_size_tokens=CHUNK, prefix_cache=prefix))
+    eng.start()
+    entries_at_first_token: list[int] = []
+    events = support.Events()
+
+    def emit(event) -> None:
+        if event.index == 0:  # on the engine thread, as the first token goes out
+            entries_at_first_token.append(eng._prefix.stats().entries)
+        events(event)
+
+    try:
+        eng.generate(GenerationRequest("r", tokens(200, seed=5), 3), emit)
+        events.wait()
+        assert entries_at_first_token == [0]
+        assert eng.stats().prefix_cache.entries == 1
+    finally:
+        eng.close()
