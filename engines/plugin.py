@@ -23,6 +23,14 @@ def make_mlx_engine(model_path: str, config: EngineConfig):  # -> engines.mlx_en
     return MlxEngine.from_path(model_path, config)
 
 
+def make_synthetic_kv_engine(model_path: str, config: EngineConfig):  # -> MlxEngine
+    """A zero-compute KV source for benchmarks (engines/synthetic_kv.py)."""
+    from engines.synthetic_kv import make_synthetic_kv_engine as make
+
+    return make(model_path, config)
+
+
 @hookimpl
 def mlxcel_register_engines(register: Register) -> None:
     register("mlx", make_mlx_engine)
+    register("synthetic-kv", make_synthetic_kv_engine)
