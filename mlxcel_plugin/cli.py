@@ -50,8 +50,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--node-id", help="unique node id (default: role@bind)")
     add("--cluster-secret-file", help="pre-shared cluster secret file")
     add("--distributed-config", help="TOML cluster configuration file")
-    add("--prefill-balancer", help="prefill pool balancer (default round-robin)")
-    add("--decode-balancer", help="decode pool balancer (default round-robin)")
+    add("--prefill-balancer", help="prefill pool balancer (a registered name)")
+    add("--decode-balancer", help="decode pool balancer (a registered name)")
     add("--prefix-cache-bytes", type=int,
         help="prompt KV kept across requests, in bytes (default 1 GiB; 0 disables)")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
