@@ -1,17 +1,20 @@
-"""Use Debian's OpenBLAS under MLX on Linux: ~25x faster CPU matmuls (docs/design.md).
+"""Use an OpenBLAS under MLX on Linux: ~25x faster CPU matmuls (docs/blas.md, docs/design.md).
 
 MLX's CPU wheel links a slow reference BLAS; the only way to swap it is to
 preload OpenBLAS before the process starts, so the CLI re-executes itself.
 
-On a CPU with AVX-512 it also asks for OpenBLAS's SkylakeX kernels
-(``OPENBLAS_CORETYPE``): OpenBLAS 0.3.21 runs AMD Zen 4 on its Haswell
-kernels, whose float rounding for one row of a matrix product depends on how
-many rows are computed with it, while the SkylakeX kernels give every row of
-a product of 32+ rows the same bits. That is what lets the prefix cache reuse
-any prefilled token exactly (engines/prefix/reuse_probe.py, docs/prefix-cache.md);
-prefill speed is the same or better. This overrides an ``OPENBLAS_CORETYPE``
-already set (some machine images pin Haswell) for the node's own process;
-``MLXCEL_OPENBLAS_CORETYPE=keep`` keeps it, any other value is used instead.
+The OpenBLAS environment an operator gives (``OPENBLAS_CORETYPE``,
+``OPENBLAS_L2_SIZE``) is kept as it is: machines pin them because older
+OpenBLAS builds compute wrong results or crash on their processors without
+them. Only where neither is set does the node choose a core type itself, and
+on a CPU with AVX-512 it asks for OpenBLAS's SkylakeX kernels: OpenBLAS 0.3.21
+runs AMD Zen 4 on its Haswell kernels, whose float rounding for one row of a
+matrix product depends on how many rows are computed with it, while the
+SkylakeX kernels give every row of a product of 32+ rows the same bits. That
+is what lets the prefix cache reuse any prefilled token exactly
+(engines/prefix/reuse_probe.py, docs/prefix-cache.md). ``MLXCEL_OPENBLAS_CORETYPE``
+asks explicitly: ``auto`` (that choice even over a pin), ``keep`` (never
+choose), or a core type's name.
 
 NumPy brings its own OpenBLAS, which the KV codecs use (int8's Hadamard
 rotation is a matmul of 64-value blocks). Its worker threads spin on
@@ -37,7 +40,9 @@ CANDIDATE_GLOBS = (
 )
 DISABLE_VAR = "MLXCEL_NO_OPENBLAS"
 CORETYPE_VAR = "OPENBLAS_CORETYPE"
-CORETYPE_CHOICE_VAR = "MLXCEL_OPENBLAS_CORETYPE"  # auto (default), keep, or a core type
+L2_SIZE_VAR = "OPENBLAS_L2_SIZE"
+# Unset: the environment's pin if any, else auto; or auto, keep, or a core type's name.
+CORETYPE_CHOICE_VAR = "MLXCEL_OPENBLAS_CORETYPE"
 # What OpenBLAS's SkylakeX kernels execute (its own check for that core type).
 AVX512_FLAGS = ("avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl")
 
@@ -61,10 +66,18 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
     current = env.get("LD_PRELOAD", "")
     if "openblas" not in current:
         new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
-    coretype = chosen_coretype(env.get(CORETYPE_CHOICE_VAR, "auto"), read_cpu_flags())
+    coretype = chosen_coretype(coretype_choice(env), read_cpu_flags())
     if coretype is not None:
         new_env[CORETYPE_VAR] = coretype
     return None if new_env == dict(env) else new_env
+
+
+def coretype_choice(env: Mapping[str, str]) -> str:
+    """The explicit choice, else ``keep`` where the operator pinned OpenBLAS, else ``auto``."""
+    explicit = env.get(CORETYPE_CHOICE_VAR, "")
+    if explicit:
+        return explicit
+    return "keep" if env.get(CORETYPE_VAR) or env.get(L2_SIZE_VAR) else "auto"
 
 
 def chosen_coretype(choice: str, cpu_flags: set[str]) -> str | None:
@@ -104,10 +117,34 @@ def limit_numpy_blas(threads: int = 1) -> int:
     capped = 0
     for library in ThreadpoolController().select(user_api="blas").lib_controllers:
         path = os.path.realpath(library.filepath or "")
-        if os.path.basename(os.path.dirname(path)) in ("numpy.libs", ".dylibs") and \
-                path.startswith(numpy_root):
+        if _is_numpy_own(path) and path.startswith(numpy_root):
             library.set_num_threads(threads)
             capped += 1
     logger.debug("NumPy's BLAS: %d librar%s capped at %d thread(s)", capped,
                  "y" if capped == 1 else "ies", threads)
     return capped
+
+
+def blas_in_process() -> list[dict[str, object]]:
+    """The BLAS libraries loaded here but NumPy's own: path, version, core type, threads.
+
+    With OpenBLAS preloaded that is the one under MLX, with the core type it
+    really runs (``architecture``, what ``OPENBLAS_CORETYPE`` asked for or what
+    it detected); empty when MLX runs its bundled reference BLAS.
+    """
+    from threadpoolctl import threadpool_info
+
+    found = []
+    for library in threadpool_info():
+        path = os.path.realpath(library.get("filepath") or "")
+        if library.get("user_api") != "blas" or _is_numpy_own(path):
+            continue
+        found.append({"path": path, "version": library.get("version"),
+                      "core": library.get("architecture"),
+                      "threads": library.get("num_threads"),
+                      "l2_size": os.environ.get(L2_SIZE_VAR, "")})
+    return found
+
+
+def _is_numpy_own(path: str) -> bool:
+    return os.path.basename(os.path.dirname(path)) in ("numpy.libs", ".dylibs")

@@ -14,7 +14,8 @@ cells only) when none matches, as with plain mlx-lm on the Haswell kernels.
 
 Cells are checked at the start and at a few depths (the kernels switch paths
 with the key count, and small products take other paths than large ones);
-it costs about ten cells of prefill, once.
+it costs about ten cells of prefill, once per machine, model and settings: the
+answer is kept on disk (engines/prefix/probe_cache.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.prefix import probe_cache
 from engines.prefix.cache import cacheable, reading
 from engines.prefix.grid import PrefillGrid
 from engines.prefix.padded_keys import padded
@@ -40,11 +42,14 @@ PROBE_SEED = 17
 
 
 def prefill_grid(model: nn.Module, config: EngineConfig, info: ModelInfo) -> PrefillGrid:
-    """The grid every prefill of this engine uses, probed unless ``granularity = "chunk"``."""
+    """The grid every prefill of this engine uses, probed (or remembered) unless ``"chunk"``."""
     whole_cells = PrefillGrid(config.chunk_size_tokens)
     if config.prefix_cache.granularity == "chunk" or config.kv_bits:
         return whole_cells
-    rows = probe_min_rows(model, config.chunk_size_tokens, info.vocab_size)
+    key = probe_cache.probe_key(config, info, {"rows": ROWS_TRIED, "cells": CELLS,
+                                               "seed": PROBE_SEED})
+    rows = probe_cache.remembered(
+        key, lambda: probe_min_rows(model, config.chunk_size_tokens, info.vocab_size))
     return whole_cells if rows is None else PrefillGrid(config.chunk_size_tokens, rows)
 
 

@@ -1,5 +1,6 @@
-"""The OpenBLAS re-exec environment (preload, SkylakeX kernels where AVX-512 runs them), and
-NumPy's own BLAS capped at one thread beside it."""
+"""The OpenBLAS re-exec environment (preload; the environment's pinned core type kept, else
+SkylakeX kernels where AVX-512 runs them), and NumPy's own BLAS capped at one thread beside it.
+The nodes' own processes: tests/integration/test_blas_pin.py."""
 
 from __future__ import annotations
 
@@ -28,14 +29,30 @@ def test_avx512_machines_get_the_skylakex_kernels(with_library, monkeypatch):
     assert env["OPENBLAS_CORETYPE"] == "SkylakeX"
 
 
-def test_a_pinned_haswell_is_replaced_unless_asked_to_keep_it(with_library, monkeypatch):
+def test_an_environment_that_pins_openblas_keeps_its_pin(with_library, monkeypatch):
     monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
-    pinned = {"OPENBLAS_CORETYPE": "Haswell", "LD_PRELOAD": "/usr/lib/libopenblas.so.0"}
-    assert openblas.preload_env(pinned)["OPENBLAS_CORETYPE"] == "SkylakeX"
-    assert openblas.preload_env({**pinned, "MLXCEL_OPENBLAS_CORETYPE": "keep"}) is None
+    preloaded = {"LD_PRELOAD": "/usr/lib/libopenblas.so.0"}
+    for pin in ({"OPENBLAS_CORETYPE": "Haswell"}, {"OPENBLAS_L2_SIZE": "1048576"},
+                {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576"}):
+        assert openblas.preload_env({**preloaded, **pin}) is None  # nothing to change
+        assert openblas.preload_env(pin) == {**preloaded, **pin}  # preloaded, pins as given
+    assert openblas.preload_env({**preloaded, "OPENBLAS_CORETYPE": ""})["OPENBLAS_CORETYPE"] \
+        == "SkylakeX"  # set but empty pins nothing (OpenBLAS reads it as unset)
+
+
+def test_an_explicit_choice_replaces_the_pin(with_library, monkeypatch):
+    monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
+    pinned = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576",
+              "LD_PRELOAD": "/usr/lib/libopenblas.so.0"}
+    chosen = openblas.preload_env({**pinned, "MLXCEL_OPENBLAS_CORETYPE": "auto"})
+    assert chosen["OPENBLAS_CORETYPE"] == "SkylakeX"
+    assert chosen["OPENBLAS_L2_SIZE"] == "1048576"  # only the core type is chosen
     chosen = openblas.preload_env({**pinned, "MLXCEL_OPENBLAS_CORETYPE": "Zen"})
     assert chosen["OPENBLAS_CORETYPE"] == "Zen"
-    done = {**pinned, "OPENBLAS_CORETYPE": "SkylakeX"}
+    assert openblas.preload_env({**pinned, "MLXCEL_OPENBLAS_CORETYPE": "keep"}) is None
+    kept = openblas.preload_env({"MLXCEL_OPENBLAS_CORETYPE": "keep"})
+    assert "OPENBLAS_CORETYPE" not in kept  # keep: never chosen, even with no pin
+    done = {**pinned, "OPENBLAS_CORETYPE": "SkylakeX", "MLXCEL_OPENBLAS_CORETYPE": "auto"}
     assert openblas.preload_env(done) is None  # already as wanted: no re-exec
     assert openblas.preload_env({"MLXCEL_NO_OPENBLAS": "1"}) is None
 
