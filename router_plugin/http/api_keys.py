@@ -2,7 +2,9 @@
 
 A pure ASGI middleware (Starlette's ``BaseHTTPMiddleware`` would wrap every
 stream in a task and a queue). The API (``/v1/*``, ``/router/*``) needs a key;
-``/health*`` and ``/metrics`` stay open for probes and scrapers unless
+Anthropic clients send the key as ``x-api-key``, which is accepted as well
+(a 401 on ``/v1/messages*`` is Anthropic-shaped). ``/health*`` and ``/metrics``
+stay open for probes and scrapers unless
 ``--metrics-require-key``; ``/docs`` and ``/openapi.json`` describe the API
 and are open. A refusal is OpenAI's 401, counted in ``request_errors_total``.
 """
@@ -13,6 +15,7 @@ import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_plugin.errors import AuthenticationError
@@ -20,6 +23,7 @@ from router_plugin.http.errors import error_response
 
 OPEN_PATHS = ("/docs", "/openapi.json")
 OPS_PATHS = ("/health", "/metrics")
+ANTHROPIC_PATHS = ("/v1/messages",)
 _BEARER = b"bearer "
 
 
@@ -40,7 +44,12 @@ class ApiKeys:
     def accepts(self, authorization: bytes | None) -> bool:
         if authorization is None or authorization[:7].lower() != _BEARER:
             return False
-        given = _digest(authorization[7:].strip())
+        return self.accepts_key(authorization[7:].strip())
+
+    def accepts_key(self, key: bytes | None) -> bool:
+        if key is None:
+            return False
+        given = _digest(key)
         matched = False
         for digest in self._digests:
             matched |= hmac.compare_digest(given, digest)
@@ -55,11 +64,19 @@ def needs_key(path: str, *, ops_require_key: bool) -> bool:
     return True
 
 
-def _authorization(scope: Scope) -> bytes | None:
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
     for name, value in scope["headers"]:
-        if name == b"authorization":
+        if name == wanted:
             return value
     return None
+
+
+def _refusal(path: str, error: AuthenticationError) -> Response:
+    if path.startswith(ANTHROPIC_PATHS):
+        body = {"type": "error", "error": {"type": "authentication_error",
+                                           "message": error.message}}  # fmt: skip
+        return JSONResponse(body, status_code=error.status_code)
+    return error_response(error, {"WWW-Authenticate": "Bearer"})
 
 
 class ApiKeyMiddleware:
@@ -78,12 +95,14 @@ class ApiKeyMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        if self.keys.accepts(_authorization(scope)):
+        if self.keys.accepts(_header(scope, b"authorization")) or self.keys.accepts_key(
+            _header(scope, b"x-api-key")
+        ):
             await self.app(scope, receive, send)
             return
         error = AuthenticationError(
-            "Incorrect or missing API key: send 'Authorization: Bearer <key>' with a key"
-            " given to --api-key"
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key:"
+            " <key>') with a key given to --api-key"
         )
         self.refused(error)
-        await error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await _refusal(scope["path"], error)(scope, receive, send)

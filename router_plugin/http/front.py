@@ -54,6 +54,7 @@ from mlxcel_plugin.text import (
 )
 from router_plugin.http import bodies as responses
 from router_plugin.http import logprobs_body, sse
+from router_plugin.http.agent_routes import install_agent_routes
 from router_plugin.http.api_keys import ApiKeyMiddleware, ApiKeys
 from router_plugin.http.backend import TokenBackend
 from router_plugin.http.completion import Completion
@@ -91,7 +92,7 @@ OFF_LOOP_PLANS = 2
 T = TypeVar("T")
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 # (raw body, arrival time, in a worker thread) -> the planned request
-Planner = Callable[[bytes, float, bool], Completion]
+Planner = Callable[[bytes, float, bool], T]
 
 
 class OpenAIFront:
@@ -120,11 +121,13 @@ class OpenAIFront:
     # routes
 
     async def chat_completions(self, request: Request) -> Response:
-        completion = await self._planned(request, self._plan_chat_body)
+        self.metrics.api_request("chat_completions")
+        completion = await self.planned(request, self._plan_chat_body)
         return await self._serve(request, completion)
 
     async def completions(self, request: Request) -> Response:
-        completion = await self._planned(request, self._plan_completion_body)
+        self.metrics.api_request("completions")
+        completion = await self.planned(request, self._plan_completion_body)
         return await self._serve(request, completion)
 
     def models(self) -> dict[str, Any]:
@@ -144,8 +147,8 @@ class OpenAIFront:
 
     # request planning
 
-    async def _planned(self, request: Request, plan: Planner) -> Completion:
-        """The body read and planned; a refusal on the way is counted, then raised."""
+    async def planned(self, request: Request, plan: Planner[T]) -> T:
+        """The body read and planned (also the agent APIs'); a refusal is counted, then raised."""
         arrival_s = time.perf_counter()
         try:
             raw = await read_body(request, self.body_limit)
@@ -359,6 +362,7 @@ def make_app(
     app.add_api_route("/v1/models", front.models, methods=["GET"], **ROUTE_DOCS["models"])
     app.add_api_route("/health", front.health, methods=["GET"], **ROUTE_DOCS["health"])
     app.add_api_route("/metrics", front.render_metrics, methods=["GET"], **ROUTE_DOCS["metrics"])
+    install_agent_routes(app, front)
     install_openapi(app)
     keys = ApiKeys(front.options.api_keys)
     if keys:

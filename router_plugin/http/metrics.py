@@ -87,6 +87,10 @@ class FrontMetrics:
             "mlxcel:request_errors", "Requests that failed.", labels + ["code", "status"],
             registry=r,
         )
+        self._api = Counter(
+            "mlxcel:api_requests", "Requests received, per API (chat_completions, completions, "
+            "responses, messages, count_tokens).", labels + ["api"], registry=r,
+        )  # fmt: skip
         self._running = Gauge(
             "mlxcel:num_requests_running", "Requests being generated.", labels, registry=r
         )
@@ -97,6 +101,9 @@ class FrontMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def api_request(self, api: str) -> None:
+        self._api.labels(self._model, api).inc()
 
     def cached_prompt_tokens(self, tokens: int) -> None:
         self._cached.labels(self._model).inc(tokens)
