@@ -27,6 +27,12 @@ ENV_DESCRIPTIONS = {
     "([BLAS](blas.md))",
     "MLXCEL_OPENBLAS_CORETYPE": "how engine nodes choose OpenBLAS's core type "
     "([BLAS](blas.md): what each value means for the prefix cache and for correctness)",
+    "MLXCEL_PROBE_CACHE_DIR": "where engine nodes keep the prefix-reuse probe's answers "
+    "(default `$MLXCEL_CACHE_DIR/reuse-probe`, else `$XDG_CACHE_HOME/mlxcel/reuse-probe`, "
+    "`~/.cache` when unset); a second start of the same node skips the probe "
+    "([BLAS](blas.md))",
+    "MLXCEL_NO_PROBE_CACHE": "`1`: engine nodes run the prefix-reuse probe at every start "
+    "instead of keeping its answer",
     "MLXCEL_HUGE_PAGES": "`0` stops engine nodes asking Linux for transparent huge pages under "
     "received K/V (by default they ask: far fewer page faults per handoff)",
     "MLXCEL_LOCUST_MODEL": "model name (default: the first id at `/v1/models`)",

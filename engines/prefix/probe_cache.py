@@ -9,8 +9,9 @@ parameters, MLX and mlx-lm's versions and device, the BLAS under MLX (path,
 version, core type, threads, ``OPENBLAS_L2_SIZE``) and the CPU (model and
 flags). Anything not recognised is a miss: the node probes again.
 
-Where: ``MLXCEL_PROBE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mlxcel/reuse-probe``
-(``~/.cache`` when unset). ``MLXCEL_NO_PROBE_CACHE=1`` probes at every start.
+Where: ``MLXCEL_PROBE_CACHE_DIR``, else ``$MLXCEL_CACHE_DIR/reuse-probe``, else
+``$XDG_CACHE_HOME/mlxcel/reuse-probe`` (``~/.cache`` when unset).
+``MLXCEL_NO_PROBE_CACHE=1`` probes at every start.
 One JSON file per key; written to a temporary file and renamed, so a reader
 never sees half of one. A file that cannot be read or parsed is ignored with
 one log line and replaced after probing.
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CACHE_DIR_VAR = "MLXCEL_PROBE_CACHE_DIR"
 DISABLE_VAR = "MLXCEL_NO_PROBE_CACHE"
+MLXCEL_CACHE_VAR = "MLXCEL_CACHE_DIR"  # converted models live there too (model_cache.py)
 FORMAT = 1  # bump when the file or the key changes meaning
 WEIGHTS_SUFFIXES = (".safetensors", ".npz", ".gguf")
 HEADER_LIMIT = 1 << 24  # a safetensors header past 16 MiB is not read: its size stands in
@@ -48,6 +50,8 @@ def cache_dir(env: Mapping[str, str] = os.environ) -> Path | None:
         return None
     if env.get(CACHE_DIR_VAR):
         return Path(env[CACHE_DIR_VAR])
+    if env.get(MLXCEL_CACHE_VAR):  # where everything mlxcel caches was moved to
+        return Path(env[MLXCEL_CACHE_VAR]) / "reuse-probe"
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mlxcel" / "reuse-probe"
 

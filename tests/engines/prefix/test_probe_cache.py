@@ -107,7 +107,9 @@ def test_an_unwritable_directory_still_gives_the_answer(tmp_path, caplog):
 def test_where_the_cache_lives():
     assert probe_cache.cache_dir({}) == Path.home() / ".cache" / "mlxcel" / "reuse-probe"
     assert str(probe_cache.cache_dir({"XDG_CACHE_HOME": "/x"})) == "/x/mlxcel/reuse-probe"
-    assert str(probe_cache.cache_dir({"XDG_CACHE_HOME": "/x", "MLXCEL_PROBE_CACHE_DIR": "/p"})) \
+    assert str(probe_cache.cache_dir({"XDG_CACHE_HOME": "/x", "MLXCEL_CACHE_DIR": "/m"})) == \
+        "/m/reuse-probe"
+    assert str(probe_cache.cache_dir({"MLXCEL_CACHE_DIR": "/m", "MLXCEL_PROBE_CACHE_DIR": "/p"})) \
         == "/p"
     assert probe_cache.cache_dir({"MLXCEL_PROBE_CACHE_DIR": "/p",
                                   "MLXCEL_NO_PROBE_CACHE": "1"}) is None
