@@ -109,6 +109,10 @@ class KVCodec(Protocol):
         A codec may also offer ``decode_into(data, meta, out, dtype)``, writing the rows
         into ``out`` (a C-contiguous ``[rows, width]`` array of the storage dtype, the
         receive buffer itself): the receiver then uses it instead, saving a copy.
+
+        Decodes run on the receiving link's bulk thread as each chunk lands, several
+        at once (one per lane), each into rows of its own: a codec must be safe to
+        call from several threads, and gains from numpy/BLAS work that frees the GIL.
         """
         ...
 

@@ -8,7 +8,8 @@ checked against the begin header.
 The I/O layer may ask ``chunk_destination`` where a raw (identity-codec)
 chunk's bytes belong before the body arrives, and write the body there — the
 link decrypts straight into the layer buffer (and may hand over each body's
-crc32, taken as it landed: ``KVMessage.body_crc``). Each tensor's crc32 is
+crc32, taken as it landed: ``KVMessage.body_crc``); a coded chunk gets a
+buffer and its decode, run on the link's thread as it lands (``landing``). Each tensor's crc32 is
 known as soon as its last row lands — combined from its chunks' landed crcs,
 or read from the buffer — and each whole layer goes to the engine's adopter
 (its own arrays, e.g. MLX) at once, so both overlap the rest of the transfer.
@@ -24,7 +25,7 @@ import numpy as np
 
 from mlxcel_plugin.engine_api import CacheState, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
-from mlxcel_plugin.kv_codecs import IdentityCodec, KVCodec, resolve_codec
+from mlxcel_plugin.kv_codecs import KVCodec, resolve_codec
 from mlxcel_plugin.kv_serde.chunk_body import decode_chunk_into, occupies
 from mlxcel_plugin.kv_serde.delta import check_delta_begin, check_delta_layer
 from mlxcel_plugin.kv_serde.errors import (
@@ -38,6 +39,7 @@ from mlxcel_plugin.kv_serde.errors import (
     UnexpectedMessage,
 )
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_ENCODED, HandoffHeader, ModelFingerprint
+from mlxcel_plugin.kv_serde.landing import ChunkKey, LandedDecode, landing_for
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.kv_serde.messages import (
     ChunkHeader,
@@ -71,17 +73,10 @@ class KVAssembler:
     begin on that lane. ``end`` may arrive before chunks from other lanes.
     """
 
-    def __init__(
-        self,
-        local: ModelFingerprint,
-        codecs: Mapping[str, KVCodec],
-        limits: AssemblerLimits | None = None,
-        *,
-        min_epoch: int = 0,
-        expected_request_id: str | None = None,
-        memory: ReceiveMemory | None = None,
-        adopt: LayerAdopter | None = None,
-    ):
+    def __init__(self, local: ModelFingerprint, codecs: Mapping[str, KVCodec],
+                 limits: AssemblerLimits | None = None, *, min_epoch: int = 0,
+                 expected_request_id: str | None = None, memory: ReceiveMemory | None = None,
+                 adopt: LayerAdopter | None = None):
         self.local = local
         self.codecs = codecs
         self.limits = limits or AssemblerLimits()
@@ -95,6 +90,7 @@ class KVAssembler:
         self.received_bytes = 0
         self._codec: KVCodec | None = None
         self._layers: dict[int, ReceivedLayer] = {}
+        self._landing: dict[ChunkKey, LandedDecode] = {}  # coded chunks decoded where they land
         self._end: EndHeader | None = None
         self._state = "waiting"
 
@@ -157,6 +153,7 @@ class KVAssembler:
         # Drop the buffers now: a refused handoff must not pin memory until GC.
         self._state = "failed"
         self._layers.clear()
+        self._landing.clear()
         self.allocated_bytes = 0
 
     # -- begin -------------------------------------------------------------
@@ -197,29 +194,31 @@ class KVAssembler:
 
     # -- chunks ------------------------------------------------------------
 
-    def chunk_destination(self, raw: Any) -> memoryview | None:
-        """Where a chunk's body may be written before it is fed: its rows' bytes, or None.
+    def chunk_destination(self, raw: Any) -> memoryview | LandedDecode | None:
+        """Where a chunk's body may be written before it is fed: its rows' bytes (a raw
+        body), a ``LandedDecode`` (a coded one, decoded into its rows where it lands), or None.
 
-        Only raw (identity-codec) bodies qualify. The header gets every check
-        ``feed`` applies and the rows are reserved for this chunk, so no other
-        chunk can claim them; the chunk must still be fed (with the body
-        written there, or anywhere else) to count. Never raises: a header that
-        would be refused gets None here and its refusal from ``feed``.
+        The header gets every check ``feed`` applies and the rows are reserved for
+        this chunk, so no other chunk can claim them; the chunk must still be fed
+        (with the body written there, or anywhere else) to count. Never raises: a
+        header that would be refused gets None here and its refusal from ``feed``.
         """
-        if self._state != "receiving":
+        if self._state != "receiving" or self._codec is None:
             return None
         try:
             chunk = ChunkHeader.from_dict(raw)
             layer = self._checked_chunk(chunk, chunk.nbytes)
             spec = self._spec(chunk)
-            if spec.coded and not isinstance(self._codec, IdentityCodec):
-                return None  # the codec's output is decoded, not placed
-            if chunk.nbytes != chunk.rows * spec.row_bytes:
+            landing = landing_for(self._codec, chunk, layer.tensors[chunk.tensor], spec)
+            if landing is None and chunk.nbytes != chunk.rows * spec.row_bytes:
                 return None  # not a raw body: feed refuses it
             self._claim(chunk, layer)
         except HandoffError:
             return None
         layer.reserved[(chunk.tensor, chunk.row)] = chunk.rows
+        if landing is not None:
+            self._landing[landing.key] = landing
+            return landing
         return self._rows_view(chunk, layer)
 
     def _on_chunk(self, raw: Any, body: Any, body_crc: int | None = None) -> None:
@@ -233,15 +232,21 @@ class KVAssembler:
             del layer.reserved[(chunk.tensor, chunk.row)]
         else:
             self._claim(chunk, layer)
+        landing = self._landing.pop((chunk.layer, chunk.tensor, chunk.row), None)
         in_place = occupies(body, self._rows_view(chunk, layer))
-        if not in_place:
-            self._decode_into(chunk, body, layer.tensors[chunk.tensor])
+        if landing is not None and landing.done and occupies(body, landing.body):
+            if landing.error is not None:  # decoded on the link's thread, and failed there
+                raise landing.error
+        elif not in_place:
+            decode_chunk_into(self._codec, chunk, body, layer.tensors[chunk.tensor],
+                              self._spec(chunk))
         self.received_chunks += 1
         self.received_bytes += len(body)
         if self._end is not None and self.received_chunks > self._end.chunks:
             raise UnexpectedMessage(f"more chunks than the {self._end.chunks} declared")
-        # A crc taken as the body landed covers these rows' bytes only when it landed here.
-        landed_crc = body_crc if in_place else None
+        # A crc taken as the body landed covers these rows' bytes only when it landed there;
+        # it always covers the body (what "encoded" checksums cover).
+        landed_crc = body_crc if in_place or layer.crc_of_bodies else None
         if layer.tensor_filled(chunk.tensor, chunk.row, chunk.rows, landed_crc, body):
             self._tensor_complete(chunk.layer, layer, chunk.tensor)
 
@@ -340,11 +345,6 @@ class KVAssembler:
         self.allocated_bytes += size
         return layer
 
-    def _decode_into(self, chunk: ChunkHeader, body: Any, tensor: np.ndarray) -> None:
-        if self._codec is None:  # only reachable through a bug: set together with the header
-            raise UnexpectedMessage("no codec yet")
-        decode_chunk_into(self._codec, chunk, body, tensor, self._spec(chunk))
-
     # -- end ---------------------------------------------------------------
 
     def _on_end(self, raw: Any) -> None:
@@ -382,12 +382,9 @@ class KVAssembler:
         return CacheState([layer.cache_layer() for _, layer in sorted(self._layers.items())])
 
 
-def assemble_messages(
-    messages: list[KVMessage],
-    local: ModelFingerprint,
-    codecs: Mapping[str, KVCodec],
-    limits: AssemblerLimits | None = None,
-) -> SerializableCacheState:
+def assemble_messages(messages: list[KVMessage], local: ModelFingerprint,
+                      codecs: Mapping[str, KVCodec],
+                      limits: AssemblerLimits | None = None) -> SerializableCacheState:
     """Feed a complete message list (in arrival order) and return the handoff."""
     assembler = KVAssembler(local, codecs, limits)
     result = None

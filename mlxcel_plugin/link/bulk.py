@@ -41,6 +41,7 @@ MAC_BYTES = 32
 CLIENT_HELLO_BYTES = len(BULK_MAGIC) + TOKEN_BYTES + MAC_BYTES
 SERVER_HELLO_BYTES = len(BULK_MAGIC) + MAC_BYTES
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+# What benchmarks' raw-TCP baselines pinned their buffers to (the bulk channel autotunes).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # Thread name prefixes of the bulk channel's I/O threads (benchmarks attribute CPU by them).
 BULK_OUT_THREAD = "mlxcel-bulk-out"
@@ -72,9 +73,18 @@ def _set_io_timeout(sock: socket.socket, timeout_s: float) -> None:
 
 
 def _tune(sock: socket.socket) -> None:
+    # SO_SNDBUF/SO_RCVBUF stay unset: pinning them turns off Linux's autotuning, which
+    # grows a socket's buffers past rmem_max/wmem_max to what a fast, distant link needs.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def _announce_landed(parts: BodyParts, pieces: list[tuple[int, memoryview]],
+                     left: list[int]) -> None:
+    """Tell ``parts.landed`` of each part whose last byte this (authenticated) record held."""
+    for index, piece in pieces:
+        left[index] -= len(piece)
+        if not left[index]:
+            parts.landed(index)
 
 
 def _views(body: bytes | bytearray | memoryview | BodyParts) -> tuple[memoryview, ...]:
@@ -146,7 +156,9 @@ class BulkChannel:
             return self._read_as_it_arrives(n_bytes)
         body = into
         views = _views(body)
-        crcs = [0] * len(views) if isinstance(body, BodyParts) and body.checksums else None
+        parts = body if isinstance(body, BodyParts) else None
+        crcs = [0] * len(views) if parts is not None and parts.checksums else None
+        left = [len(v) for v in views] if parts is not None and parts.landed else None
         for pieces in record_spans(views, self.chunk_bytes):
             dests = [piece for _, piece in pieces]
             record = self._recv_exactly(sum(len(d) for d in dests) + TAG_BYTES)
@@ -154,6 +166,8 @@ class BulkChannel:
             if crcs is not None:  # just written: still in cache
                 for index, piece in pieces:
                     crcs[index] = crc32(piece, crcs[index])
+            if left is not None:
+                _announce_landed(parts, pieces, left)
         if crcs is not None:
             body.crcs = crcs
         return body

@@ -20,7 +20,13 @@ from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import ProtocolError
 from mlxcel_plugin.link.bulk import BulkPipe
-from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, encode_frame, encode_header
+from mlxcel_plugin.link.protocol.frames import (
+    BodyParts,
+    Frame,
+    FrameType,
+    encode_frame,
+    encode_header,
+)
 from mlxcel_plugin.link.protocol.handshake import Session
 from mlxcel_plugin.link.protocol.record_reader import (
     BATCH_MIN_MINOR,
@@ -141,8 +147,15 @@ class LinkWriter:
         if len(self._outbox) <= index or self._session.peer.minor < BATCH_MIN_MINOR:
             return False
         frame, size = self._outbox[index]
-        on_bulk = self._bulk is not None and len(frame.body) >= self._bulk_threshold_bytes
-        return not on_bulk and size + BATCH_OVERHEAD_BYTES < self._max_record_bytes // 2
+        small = size + BATCH_OVERHEAD_BYTES < self._max_record_bytes // 2
+        return small and not self._on_bulk(frame)
+
+    def _on_bulk(self, frame: Frame) -> bool:
+        """Big bodies, and every KV chunk's, go on the bulk channel (unmasked, sealed in its
+        thread, placed where the receiver wants them) where there is one."""
+        if self._bulk is None or not len(frame.body):
+            return False
+        return frame.type is FrameType.KV_CHUNK or len(frame.body) >= self._bulk_threshold_bytes
 
     async def _write_batch(self) -> None:
         """The small frames at the head of the queue, as one record (one seal, one write)."""
@@ -163,7 +176,7 @@ class LinkWriter:
         """Write one frame; True when its body is still going out on the bulk thread."""
         prefix = encode_header(frame.type, frame.header)
         body = frame.body
-        if self._bulk is not None and len(body) >= self._bulk_threshold_bytes:
+        if self._on_bulk(frame):
             await self._send_record(bulk_record(len(body), prefix))
             self._start_bulk_write(body, size)
             return True

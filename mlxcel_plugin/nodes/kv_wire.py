@@ -19,6 +19,7 @@ from typing import Any
 
 from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
 from mlxcel_plugin.kv_serde.header import SUPPORTED_SERDE_VERSIONS
+from mlxcel_plugin.kv_serde.landing import LandedDecode
 from mlxcel_plugin.link.protocol.frames import Body, BodyParts, Frame, FrameType, kv_frame
 
 KIND_TO_TYPE = {
@@ -109,14 +110,17 @@ def declared_sizes(chunks: list[Any]) -> list[int] | None:
 
 
 def chunk_destinations(
-    place: Callable[[Any], memoryview | None], header: dict[str, Any], n_bytes: int
+    place: Callable[[Any], memoryview | LandedDecode | None], header: dict[str, Any],
+    n_bytes: int,
 ) -> memoryview | BodyParts | None:
     """A body sink's answer for a KV_CHUNK frame: ``place(chunk header)`` for each chunk.
 
-    Chunks without a place (say, compressed) get fresh buffers of their own;
-    None when no chunk has a place or the header does not describe the body
-    (the frame's feed then refuses it). The parts ask for checksums, which
-    ``frame_to_messages`` hands on as each chunk's ``body_crc``.
+    A raw chunk lands in its rows; a coded one in its ``LandedDecode``'s buffer,
+    decoded by the link's bulk thread as soon as it is in. Chunks without a
+    place get fresh buffers of their own; None when no chunk has a place or the
+    header does not describe the body (the frame's feed then refuses it). The
+    parts ask for checksums, which ``frame_to_messages`` hands on as each
+    chunk's ``body_crc``.
     """
     try:
         chunks = chunk_headers(header)
@@ -128,12 +132,16 @@ def chunk_destinations(
     places = [place(chunk) for chunk in chunks]
     if all(p is None for p in places):
         return None
-    views = [
-        p if p is not None and len(p) == size else memoryview(bytearray(size))
-        for p, size in zip(places, sizes, strict=True)
-    ]
+    views = [_view_of(p, size) for p, size in zip(places, sizes, strict=True)]
+    decodes = {i: p for i, p in enumerate(places) if isinstance(p, LandedDecode)}
+    landed = (lambda index: decodes[index]() if index in decodes else None) if decodes else None
     # The bulk channel takes each chunk's crc32 as it lands, so no pass re-reads the bytes.
-    return BodyParts(views, checksums=True)
+    return BodyParts(views, checksums=True, landed=landed)
+
+
+def _view_of(place: memoryview | LandedDecode | None, size: int) -> memoryview:
+    view = place.body if isinstance(place, LandedDecode) else place
+    return view if view is not None and len(view) == size else memoryview(bytearray(size))
 
 
 def frame_to_messages(frame: Frame) -> list[KVMessage]:

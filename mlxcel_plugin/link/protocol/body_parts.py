@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class BodyParts:
@@ -16,16 +16,23 @@ class BodyParts:
     A receiver's body sink may ask for ``checksums``: the bulk channel then
     fills ``crcs`` with each part's crc32 as it decrypts into it, while the
     bytes are still in cache (a later pass over cold memory costs ~2.5x).
+
+    ``landed(index)``, where given, is called on the bulk channel's thread once
+    every byte of part ``index`` is in and authenticated: a receiver decodes a
+    compressed or quantized part there, off the event loop, while later records
+    still arrive. It must not raise.
     """
 
-    __slots__ = ("views", "nbytes", "checksums", "crcs")
+    __slots__ = ("views", "nbytes", "checksums", "crcs", "landed")
 
-    def __init__(self, buffers: Sequence[bytes | bytearray | memoryview], checksums: bool = False):
+    def __init__(self, buffers: Sequence[bytes | bytearray | memoryview], checksums: bool = False,
+                 landed: Callable[[int], None] | None = None):
         views = [memoryview(b) for b in buffers]
         self.views = tuple(v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views)
         self.nbytes = sum(v.nbytes for v in self.views)
         self.checksums = checksums
         self.crcs: list[int] | None = None  # set by the bulk channel once every part is in
+        self.landed = landed
 
     def __len__(self) -> int:
         return self.nbytes

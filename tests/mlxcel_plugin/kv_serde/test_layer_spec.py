@@ -17,6 +17,7 @@ from mlxcel_plugin.kv_serde import (
     UnsupportedCacheKind,
     assemble_messages,
 )
+from mlxcel_plugin.kv_serde.landing import LandedDecode
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec, LayerSpec
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
@@ -123,7 +124,8 @@ def test_a_kind_described_without_arrays_cannot_be_handed_off():
 
 
 def test_raw_arrays_land_in_place_even_under_a_compressing_codec():
-    """The link may decrypt SSM state and packed words straight into their buffers."""
+    """The link may decrypt SSM state and packed words straight into their buffers; coded
+    arrays land in a buffer of their own and are decoded there (as a lane thread does)."""
     cache, messages = _messages("lz4")
     assembler = KVAssembler(FP, builtin_codecs())
     assembler.feed(messages[0])
@@ -132,9 +134,12 @@ def test_raw_arrays_land_in_place_even_under_a_compressing_codec():
         if message.kind == "chunk":
             spec = FP.layers[message.header["layer"]].array(message.header["tensor"])
             dest = assembler.chunk_destination(message.header)
-            assert (dest is None) == spec.coded, spec.name
-            if dest is not None:
-                dest[:] = message.body
-                message = dataclasses.replace(message, body=dest)
+            assert isinstance(dest, LandedDecode) == spec.coded, spec.name
+            view = dest.body if spec.coded else dest
+            view[:] = message.body
+            if spec.coded:
+                dest()  # the decode the bulk thread runs once the body is in
+                assert dest.done and dest.error is None
+            message = dataclasses.replace(message, body=view)
         result = assembler.feed(message) or result
     assert_caches_equal(result.cache, cache)

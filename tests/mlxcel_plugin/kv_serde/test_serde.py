@@ -41,6 +41,7 @@ from mlxcel_plugin.kv_serde import (
     assemble_messages,
     make_ack,
 )
+from mlxcel_plugin.kv_serde.landing import LandedDecode
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
     make_cache,
@@ -313,11 +314,13 @@ def test_a_body_written_in_place_is_still_checksummed():
         feed_all(messages[2:], assembler)
 
 
-def test_no_destination_for_coded_chunks_refused_headers_or_claimed_rows():
+def test_no_destination_for_refused_headers_or_claimed_rows_coded_chunks_decode_elsewhere():
     lz4, _ = messages_for(codec="lz4")
     assembler = KVAssembler(FP, CODECS)
     assembler.feed(lz4[0])
-    assert assembler.chunk_destination(lz4[1].header) is None
+    landing = assembler.chunk_destination(lz4[1].header)
+    assert isinstance(landing, LandedDecode)  # not the rows: a buffer decoded where it lands
+    assert len(landing.body) == lz4[1].header["nbytes"]
     messages, cache = messages_for()
     assembler = KVAssembler(FP, CODECS)
     assert assembler.chunk_destination(messages[1].header) is None  # before begin
