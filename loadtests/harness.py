@@ -1,0 +1,147 @@
+"""What the ``loadtests/bench_*.py`` scripts share beyond ``bench_common``: CPU time of
+processes (whole, or sampled over a window), which cores each process may use, and
+the product's KV-plane defaults a baseline must match.
+
+``bench_common`` holds figures and streams (percentiles, JSON, SSE timing); this
+module holds the measuring of processes.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+GIB = 1 << 30
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- CPU time
+
+
+def process_cpu_s() -> float:
+    """This process's CPU seconds (user + system, every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float:
+    """Another process's CPU seconds from ``/proc/PID/stat`` (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / CLOCK_TICKS  # utime + stime
+
+
+@dataclass
+class CpuSampler:
+    """CPU seconds of some processes every ``period_s``, timestamped (perf_counter)."""
+
+    pids: list[int]
+    period_s: float = 0.005
+    samples: list[tuple[float, list[float]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), [proc_cpu_s(pid) for pid in self.pids]))
+            self._stop.wait(self.period_s)
+
+    def between(self, start_s: float, end_s: float) -> list[float]:
+        """CPU seconds of each process from ``start_s`` to ``end_s`` (nearest samples)."""
+        def at(when: float) -> list[float]:
+            return min(self.samples, key=lambda sample: abs(sample[0] - when))[1]
+
+        return [b - a for a, b in zip(at(start_s), at(end_s), strict=True)]
+
+
+# ---------------------------------------------------------------- cores
+
+
+def available_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Cores for the sending side (prefill node) and the receiving side (decode node and
+    this driver); empty: unpinned. Two cores emulate two machines of one core each."""
+
+    sender: frozenset[int] = frozenset()
+    receiver: frozenset[int] = frozenset()
+
+    @classmethod
+    def split(cls, pin: bool) -> Placement:
+        cores = available_cores()
+        if not pin or len(cores) < 2 or not hasattr(os, "sched_setaffinity"):
+            return cls()
+        return cls(frozenset(cores[:1]), frozenset(cores[1:2]))
+
+    def describe(self) -> str:
+        if not self.sender:
+            return f"unpinned ({len(available_cores())} cores)"
+        return (f"sender core {','.join(map(str, sorted(self.sender)))}, receiver + driver core "
+                f"{','.join(map(str, sorted(self.receiver)))}")
+
+    def taskset(self, side: str) -> list[str]:
+        """An argv prefix that runs a command on ``side``'s cores (none when unpinned)."""
+        cores = self.sender if side == "sender" else self.receiver
+        return ["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []
+
+
+def pin_all(pid: int, cores: Collection[int]) -> None:
+    """Pin ``pid`` and its threads (they pass it on to threads they start) to ``cores``."""
+    from mlxcel_plugin.local_cluster import pin_process
+
+    if cores:
+        pin_process(pid, cores)
+
+
+# ---------------------------------------------------------------- the product's KV plane
+
+
+@dataclass(frozen=True)
+class KVPlaneDefaults:
+    """What a bare baseline copies from the product: record size and lanes per peer pair."""
+
+    record_bytes: int
+    lanes: int
+    source: str  # where the figures came from, for the printout
+
+
+def kv_plane_defaults() -> KVPlaneDefaults:
+    """The product's own defaults, read from its ``LinkConfig`` (whatever fields it has now)."""
+    from mlxcel_plugin.link.config import LinkConfig
+
+    config = LinkConfig()
+    names = {f.name for f in fields(LinkConfig)}
+    record = next((getattr(config, n) for n in ("bulk_record_bytes", "bulk_chunk_bytes")
+                   if n in names), 1 << 20)
+    lane_field = next((n for n in ("bulk_lanes", "lanes", "bulk_lane_count") if n in names), None)
+    lanes = getattr(config, lane_field) if lane_field else 1
+    if callable(lanes):
+        lanes = lanes()
+    lanes = int(lanes) if lanes else _lanes_from_cores()
+    where = f"LinkConfig.{lane_field}" if lane_field else "one bulk connection (no lane field)"
+    return KVPlaneDefaults(int(record), max(1, lanes), where)
+
+
+def _lanes_from_cores() -> int:
+    """A lane count of 0 means "from the core count" in the product: one per core, up to 4."""
+    return max(1, min(4, os.cpu_count() or 1))

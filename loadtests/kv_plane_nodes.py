@@ -1,0 +1,241 @@
+"""Real node processes for ``bench_kv_plane.py``: one decode node and one prefill node per
+transfer configuration, all on the zero-compute KV source (``--engine synthetic-kv``),
+on loopback or on two hosts of a ``NetnsTopology``; and the two measurements made
+through them over the product's link: one handoff (time, bytes, CPU of each side),
+and the ITL of running streams on the decode node with and without a handoff arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench_common import prometheus_value
+from harness import CpuSampler, Placement, pin_all
+
+from mlxcel_plugin.link import ClusterSecret, generate_secret_file, load_cluster_secret
+from mlxcel_plugin.link.protocol.frames import Request
+from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node
+from mlxcel_plugin.testing.link_driver import LinkDriver
+
+TIMEOUT_S = 600.0
+TRANSFER_TIMEOUT_S = 300  # a claim waits this long for its KV on a loaded machine
+VOCAB = 1000  # prompts draw ids below the synthetic model's vocabulary (1024)
+CONFIGS: dict[str, dict[str, Any]] = {  # name -> [transfer] table
+    "full-none": {"strategy": "full", "codec": "none"},
+    "streamed-none": {"strategy": "streamed", "codec": "none"},
+    "layer-parallel-none": {"strategy": "layer-parallel", "codec": "none", "parallelism": 2},
+    "full-int8": {"strategy": "full", "codec": "int8", "allow_lossy": True},
+    "streamed-int8": {"strategy": "streamed", "codec": "int8", "allow_lossy": True},
+}
+
+
+def node_toml(transfer: dict[str, Any]) -> str:
+    values = {**transfer, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+    return "[transfer]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+@dataclass
+class NodeSet:
+    """A decode node and prefill nodes by config name, sharing one cluster secret."""
+
+    secret: ClusterSecret
+    decode: NodeProcess
+    prefills: dict[str, NodeProcess]
+    urls: dict[str, str]  # node name -> ops URL ("decode", config names)
+
+    def pids(self, config: str) -> list[int]:
+        return [self.prefills[config].process.pid, self.decode.process.pid]
+
+    def driver(self, config: str) -> LinkDriver:
+        return LinkDriver(self.secret, self.prefills[config].serving_bind,
+                          self.decode.serving_bind)
+
+    def stop(self) -> None:
+        for node in [*self.prefills.values(), self.decode]:
+            node.stop()
+
+
+def node_args(model: str, secret_path: Path) -> list[str]:
+    return ["--engine", "synthetic-kv", "--model", model, "--cluster-secret-file",
+            str(secret_path)]
+
+
+def loopback_nodes(model: str, workdir: Path, configs: list[str],
+                   placement: Placement) -> NodeSet:
+    """Every node on 127.0.0.1 in this namespace (the loopback link)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    secret_path = workdir / "cluster.secret"
+    generate_secret_file(secret_path)
+    started: dict[str, NodeProcess] = {}
+    try:
+        for name in ["decode", *configs]:
+            role = "decode" if name == "decode" else "prefill"
+            toml = workdir / f"{name}.toml"
+            toml.write_text(node_toml(CONFIGS.get(name, {})))
+            args = [*node_args(model, secret_path), "--distributed-config", str(toml)]
+            cores = placement.receiver if role == "decode" else placement.sender
+            started[name] = start_node(role, workdir, args, name=name, cpu_affinity=cores,
+                                       serving_bind=f"{LOOPBACK}:{free_port()}")
+        for node in started.values():
+            node.wait_healthy(TIMEOUT_S)
+    except BaseException:
+        for node in started.values():
+            node.stop()
+        raise
+    decode = started.pop("decode")
+    urls = {"decode": decode.url, **{n: node.url for n, node in started.items()}}
+    return NodeSet(load_cluster_secret(str(secret_path), {}), decode, started, urls)
+
+
+def netns_nodes(model: str, nodes: Any, configs: list[str], placement: Placement) -> NodeSet:
+    """The decode node on host "decode", prefill nodes on host "prefill" (``NetnsNodes``)."""
+    engine_args = ["--engine", "synthetic-kv", "--model", model]  # NetnsNodes adds the secret
+    decode = nodes.start("decode", "decode", "decode", engine_args, node_toml({}))
+    pin_all(decode.process.pid, placement.receiver)
+    prefills = {}
+    for name in configs:
+        prefills[name] = nodes.start("prefill", "prefill", f"prefill-{name}", engine_args,
+                                     node_toml(CONFIGS[name]))
+        pin_all(prefills[name].process.pid, placement.sender)
+    nodes.wait_all(TIMEOUT_S)
+    urls = {"decode": decode.url, **{n: node.url for n, node in prefills.items()}}
+    return NodeSet(nodes.secret, decode, prefills, urls)
+
+
+# ---------------------------------------------------------------- one handoff
+
+
+@dataclass
+class Handoff:
+    """One request through prefill -> handoff -> decode's first token."""
+
+    kv_bytes: int  # raw KV handed over (what the decode node gets)
+    wire_bytes: float  # encoded bytes (the prefill node's mlxcel:handoff_bytes)
+    handoff_s: float  # end of prefill to the decode node's ack (the prefill node's metric)
+    tt2t_s: float  # submit to the decode node's first token
+    # Prefill node over the handoff window; decode node from the end of prefill to its
+    # first token (receiving, adopting into MLX, and that token's decode step).
+    cpu_s: list[float]
+    choice: dict[str, Any] = field(default_factory=dict)
+
+
+def handoff_totals(url: str) -> tuple[float, float]:
+    text = get(f"{url}/metrics")
+    return (prometheus_value(text, "mlxcel:handoff_time_seconds_sum") or 0.0,
+            prometheus_value(text, "mlxcel:handoff_bytes_sum") or 0.0)
+
+
+def prompt(tokens: int, rng: random.Random) -> list[int]:
+    """Fresh random ids: no prefix of it is cached anywhere."""
+    return [rng.randrange(3, VOCAB) for _ in range(tokens)]
+
+
+async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request_id: str,
+                      tokens: int, rng: random.Random) -> Handoff:
+    before = handoff_totals(url)
+    start = time.perf_counter()
+    outcome = await driver.generate(request_id, prompt(tokens, rng), 2, timeout_s=TIMEOUT_S)
+    if not outcome.ok or len(outcome.token_times_s) < 2:
+        raise RuntimeError(f"{request_id}: {outcome.finish_reason} {outcome.error}")
+    after = handoff_totals(url)
+    handoff_s = after[0] - before[0]
+    prefilled, decoded = outcome.token_times_s[:2]  # the prefill node's token, decode's
+    choice = json.loads(get(f"{url}/health"))["transfer"]["last_choice"]
+    sender = sampler.between(prefilled, prefilled + handoff_s)[0]
+    receiver = sampler.between(prefilled, max(decoded, prefilled + handoff_s))[1]
+    return Handoff(int(choice["payload_bytes"]), after[1] - before[1], handoff_s,
+                   decoded - start, [sender, receiver], choice)
+
+
+async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,
+                   rng: random.Random) -> list[Handoff]:
+    with CpuSampler(nodes.pids(config)) as sampler:
+        async with nodes.driver(config) as driver:
+            return [await one_handoff(driver, nodes.urls[config], sampler,
+                                      f"{config}-{tokens}-{i}-{rng.random():.6f}", tokens, rng)
+                    for i in range(repeats)]
+
+
+async def warm_up(nodes: NodeSet, tokens: int, rng: random.Random) -> None:
+    """One small handoff per prefill node: links dialled, compile caches warm."""
+    for config in nodes.prefills:
+        await handoffs(nodes, config, tokens, 1, rng)
+
+
+# ---------------------------------------------------------------- ITL while ingesting
+
+
+@dataclass
+class StreamPool:
+    """``count`` streams decoding on the decode node (prefilled there), restarted as they
+    end so the batch always holds ``count``; token arrival times per stream."""
+
+    driver: LinkDriver
+    count: int
+    max_tokens: int
+    times: list[list[float]] = field(default_factory=list)
+    _stop: bool = False
+
+    async def run(self, slot: int) -> None:
+        n = 0
+        while not self._stop:  # bounded by stop(): the phase ends after a fixed schedule
+            request_id = f"stream-{slot}-{n}-{time.monotonic_ns()}"
+            collector = self.driver.expect(request_id)
+            ids = [(7 * j + slot) % VOCAB + 3 for j in range(8)]
+            await self.driver.decode.send(Request(request_id, ids, {}, self.max_tokens)
+                                          .to_frame())
+            await asyncio.wait_for(collector.done.wait(), TIMEOUT_S)
+            self.times.append(collector.outcome.token_times_s)
+            n += 1
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def gaps_in(self, windows: list[tuple[float, float]]) -> list[float]:
+        """Gaps between one stream's tokens (its first excluded) ending inside a window."""
+        found = []
+        for times in self.times:
+            for earlier, later in zip(times[1:], times[2:], strict=False):
+                if any(a <= later < b for a, b in windows):
+                    found.append(later - earlier)
+        return found
+
+
+async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, handoffs_n: int,
+                    quiet_s: float, rng: random.Random) -> dict[str, Any]:
+    """Streams decode; quiet windows alternate with ``handoffs_n`` handoffs of ``tokens``."""
+    async with nodes.driver(config) as driver:
+        pool = StreamPool(driver, streams, max_tokens=96)
+        tasks = [asyncio.create_task(pool.run(slot)) for slot in range(streams)]
+        await asyncio.sleep(2.0)  # every stream joined the batch
+        quiet, ingest = [], []
+        for k in range(handoffs_n):
+            start = time.perf_counter()
+            await asyncio.sleep(quiet_s)
+            quiet.append((start, time.perf_counter()))
+            outcome = await driver.generate(f"ingest-{k}-{rng.random():.6f}",
+                                            prompt(tokens, rng), 2, timeout_s=TIMEOUT_S)
+            if not outcome.ok or len(outcome.token_times_s) < 2:
+                raise RuntimeError(f"ingest {k}: {outcome.finish_reason} {outcome.error}")
+            # From the end of prefill to just before the decode step that takes it in.
+            first, second = outcome.token_times_s[:2]
+            ingest.append((first, second - 0.002))
+        start = time.perf_counter()
+        await asyncio.sleep(quiet_s)
+        quiet.append((start, time.perf_counter()))
+        pool.stop()
+        await asyncio.wait(tasks, timeout=TIMEOUT_S)
+    return {"quiet": pool.gaps_in(quiet), "ingest": pool.gaps_in(ingest),
+            "ingest_s": sum(b - a for a, b in ingest)}
