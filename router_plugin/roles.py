@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from mlxcel_plugin.balancer_api import Balancer
+from mlxcel_plugin.compatibility import NodeProfile
 from mlxcel_plugin.config import dataclass_from_mapping
 from mlxcel_plugin.discovery_api import model_fingerprint
 from mlxcel_plugin.engine_api import Engine
@@ -29,6 +30,7 @@ from router_plugin.cluster.admission import AdmissionController, BackpressureCon
 from router_plugin.cluster.backend import ClusterBackend, RouterConfig
 from router_plugin.cluster.health import HealthConfig, HealthMonitor
 from router_plugin.cluster.node_pool import NodePool
+from router_plugin.cluster.pairing import PairingTable
 from router_plugin.cluster.peer_links import PeerLinks, make_dialer
 from router_plugin.cluster.prefix_index import PrefixIndex
 from router_plugin.cluster.stats import RouterCollector, RouterStats, make_stats_route
@@ -114,8 +116,10 @@ def make_cluster_backend(config: Any, registry: PluginRegistry,
     backpressure = dataclass_from_mapping(
         BackpressureConfig, config.section("backpressure"), "[backpressure]"
     )
+    # Nodes whose tokenizer or chat template differ from the router's are refused.
     pool = NodePool.from_peers(config.prefill_peers, config.decode_peers,
-                               prefixes=PrefixIndex(router_config.prefix_block_tokens))
+                               prefixes=PrefixIndex(router_config.prefix_block_tokens),
+                               pairing=PairingTable(NodeProfile.of_text(config.model)))
     dial = make_dialer(secret, config.effective_node_id,
                        expected_model=model_fingerprint(config.model))
     peers = PeerLinks(pool, dial)

@@ -317,9 +317,9 @@ class PrefillNode:
             self.scheduler.release(job.request_id)
             reason = code if code in FINAL_REFUSALS else decision.reason
             self.metrics.handoff_failures.labels(reason).inc()
-            text = f"KV handoff failed: {code}: {error}"
-            failed = Result(job.request_id, 1, [], "error", 1, text)
-            self._finish(job, failed, "handoff_failed")
+            # By the refusal's code: the router places the request on another pair.
+            text = f"KV handoff to {job.target} failed: {code}: {error}"
+            self._finish(job, ErrorFrame(code, text, job.request_id), "handoff_failed")
             return False
         self.metrics.handoff_retries.inc()
         if code == "at_capacity":

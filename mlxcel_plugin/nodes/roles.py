@@ -16,6 +16,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from mlxcel_plugin.compatibility import (
+    KVProfile,
+    NodeProfile,
+    chat_template_digest,
+    tokenizer_digest,
+)
 from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
 from mlxcel_plugin.discovery_api import model_fingerprint
 from mlxcel_plugin.engine_api import Engine, EngineConfig
@@ -201,11 +207,20 @@ async def _drained(node: PrefillNode | DecodeNode, settings: NodeSettings,
                        "them", node.node_id, left)
 
 
-def _announce(config: ServerConfig) -> dict[str, str]:
-    """What every peer reads in this node's verdict: the model it serves (when known) and the
-    handoff serde versions it takes."""
+def node_profile(config: ServerConfig, engine: Engine) -> NodeProfile:
+    """What this node's KV is (engine fingerprint, ``kv_bits``) and its tokenizer/template."""
+    engine_config = config.engine_config
+    kv = KVProfile.from_fingerprint(engine.info.fingerprint, engine_config.kv_bits,
+                                    engine_config.kv_group_size)
+    return NodeProfile(kv, tokenizer_digest(config.model), chat_template_digest(config.model))
+
+
+def _announce(config: ServerConfig, engine: Engine) -> dict[str, str]:
+    """What every peer reads in this node's verdict: the model it serves (when known), the
+    handoff serde versions it takes, and its profile (docs/compatibility.md)."""
     model = model_fingerprint(config.model)
-    return {**({"model": model} if model else {}), KV_SERDE_ANNOUNCE: announce_serde_versions()}
+    return {**({"model": model} if model else {}), KV_SERDE_ANNOUNCE: announce_serde_versions(),
+            **node_profile(config, engine).to_announce()}
 
 
 async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engine: Engine,
@@ -220,7 +235,8 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
                               node.drain)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
-                              config=link_config(config.role), announce=_announce(config))
+                              config=link_config(config.role),
+                              announce=_announce(config, engine))
     ops = await OpsServer.start(config.host, config.port, OpsRoutes(
         node.health, node.metrics.render, ready=lambda: not node.drain.draining))
     advert = await advertise(config, node.node_id)  # None unless --advertise mdns

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest
 from router_plugin.cluster.peer_links import PeerEvent
-from router_plugin.cluster.stream_bridge import DECODE
+from router_plugin.cluster.stream_bridge import DECODE, PREFILL, BridgeState
 from router_plugin.http.backend import next_batch
 
 T = TypeVar("T")
@@ -86,6 +86,16 @@ def moves_request(event: PeerEvent, client_error_codes: Collection[str]) -> bool
     (it was valid when placed). A client-fault refusal would fail anywhere.
     """
     return event.lost or event.code not in client_error_codes
+
+
+def is_refused_handoff(event: PeerEvent, state: BridgeState) -> bool:
+    """Did the prefill node report that its KV did not land on the decode node?
+
+    Once P's first token is out (``HANDOFF_TO_DECODE``), handing the KV to D is all P
+    has left to do: its error then is D's refusal (or D lost, or no ack in time), by code.
+    The request itself was fine: another pair takes it.
+    """
+    return event.source == PREFILL and not event.lost and state is BridgeState.HANDOFF_TO_DECODE
 
 
 def stall_event(decode_node_id: str, timeout_s: float) -> PeerEvent:

@@ -6,13 +6,14 @@ what happened; selection reads ``views``. Nothing here opens a connection.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from mlxcel_plugin.balancer_api import NodeView
 from mlxcel_plugin.discovery_api import is_dns_entry
+from router_plugin.cluster.pairing import PairingTable
 from router_plugin.cluster.prefix_index import PrefixIndex
 
 ROLES = ("prefill", "decode")
@@ -71,8 +72,10 @@ class NodePool:
     """Prefill and decode peers, each with an id like ``prefill-0`` that never changes."""
 
     def __init__(self, *, stale_telemetry_s: float = DEFAULT_STALE_TELEMETRY_S,
-                 prefixes: PrefixIndex | None = None):
+                 prefixes: PrefixIndex | None = None, pairing: PairingTable | None = None):
         self.stale_telemetry_s = stale_telemetry_s
+        # Which prefill node may hand off to which decode node (from their announcements).
+        self.pairing = pairing if pairing is not None else PairingTable()
         # Which prompt prefixes each node probably holds (fed by the routed requests).
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()
         self._nodes: dict[str, _Node] = {}
@@ -104,6 +107,7 @@ class NodePool:
     def remove(self, node_id: str) -> None:
         del self._nodes[node_id]
         self.prefixes.forget(node_id)
+        self.pairing.forget(node_id)
 
     def ids(self, role: str | None = None) -> list[str]:
         return [n.node_id for n in self._nodes.values() if role is None or n.role == role]
@@ -204,6 +208,42 @@ class NodePool:
             return 0
         return self.prefixes.cached_tokens(node_id, blocks)
 
+    def _serves(self, node: _Node) -> bool:
+        """Healthy, and not refused by the router (another tokenizer or chat template)."""
+        return node.health == NodeHealth.HEALTHY and not self.pairing.refused_by_router(
+            node.node_id)
+
+    # --- pairing -------------------------------------------------------------
+
+    def unpaired_decodes(self, excluded: Collection[str], now: float) -> set[str]:
+        """Decode nodes no serving prefill node outside ``excluded`` can hand its KV to.
+
+        Pairs cooling down after a refused handoff count as unpaired, unless that would
+        leave no decode node at all (a cooling pair is still compatible).
+        """
+        # Health is selection's business (it re-probes): only who may pair counts here.
+        prefills = [p for p in self.ids("prefill")
+                    if p not in excluded and not self.pairing.refused_by_router(p)]
+        decodes = [d for d in self.ids("decode") if d not in excluded]
+        if not prefills:
+            return set()  # no pair to judge; selecting a prefill node will say so
+        for cooling in (True, False):
+            unpaired = {d for d in decodes if not any(
+                self.pairing.usable(p, d, now, cooling=cooling) for p in prefills)}
+            if set(decodes) - unpaired:
+                return unpaired
+        return unpaired
+
+    def unpaired_prefills(self, decode_id: str, now: float) -> set[str]:
+        """Prefill nodes that must not hand off to ``decode_id`` (cooling ones unless alone)."""
+        prefills = self.ids("prefill")
+        for cooling in (True, False):
+            unpaired = {p for p in prefills
+                        if not self.pairing.usable(p, decode_id, now, cooling=cooling)}
+            if set(prefills) - unpaired:
+                return unpaired
+        return unpaired
+
     def _fresh_telemetry(self, node: _Node, now: float) -> tuple[NodeTelemetry, float | None]:
         if node.telemetry_at_s is None:
             return NodeTelemetry(), None
@@ -217,7 +257,7 @@ class NodePool:
         return NodeView(
             node_id=node.node_id,
             address=node.address,
-            healthy=node.health == NodeHealth.HEALTHY,
+            healthy=self._serves(node),
             in_flight=node.in_flight,
             queue_depth=telemetry.queue_depth,
             active_sequences=telemetry.active_sequences,
@@ -235,6 +275,19 @@ class NodePool:
     def _by_role(self, role: str) -> list[_Node]:
         return [n for n in self._nodes.values() if n.role == role]
 
+    def _pairing_stats(self, node: _Node) -> dict[str, Any]:
+        """Its fingerprint summary, the nodes it pairs with, and the refusals, with reason."""
+        profile = self.pairing.profiles.get(node.node_id)
+        other = "decode" if node.role == "prefill" else "prefill"
+        others = [] if self.pairing.refused_by_router(node.node_id) else [
+            o for o in self.ids(other) if not self.pairing.refused_by_router(o)]
+        return {
+            "kv": profile.kv.summary() if profile is not None and profile.kv else None,
+            "pairs": self.pairing.partners(node.node_id, others),
+            "refused": [{"with": r.partner, "reason": r.reason}
+                        for r in self.pairing.refusals_of(node.node_id)],
+        }
+
     def _node_stats(self, node: _Node, now: float, verbose: bool) -> dict[str, Any]:
         telemetry, age_s = self._fresh_telemetry(node, now)
         entry: dict[str, Any] = {
@@ -248,6 +301,7 @@ class NodePool:
             "total_failures": node.total_failures,
             "prefix_blocks": self.prefixes.blocks_held(node.node_id),  # the router's guess
             "telemetry": None if age_s is None else {**asdict(telemetry), "age_s": age_s},
+            **self._pairing_stats(node),
         }
         if verbose:
             # Transport errors usually quote the peer's address.

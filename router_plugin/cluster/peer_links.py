@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, fields
 
+from mlxcel_plugin.compatibility import NodeProfile
 from mlxcel_plugin.errors import (
     HandshakeError,
     ModelMismatchError,
@@ -208,6 +209,7 @@ class PeerLink:
             link = await self._connect()
             self.link, self.last_heard_s = link, self._clock()
             self.redial.connected()
+            self._announced(link)
             self._pool.mark_healthy(self.node_id, self._clock())
             if not self.redial.flapping:  # a flapping peer is logged per backoff step instead
                 logger.info("connected to %s (%s %s)", self.node_id, link.peer_role,
@@ -218,6 +220,15 @@ class PeerLink:
             self._lost(link, error)
             if delay_s > 0:
                 await self._sleep_or_wake(delay_s)
+
+    def _announced(self, link: Link) -> None:
+        """Its KV, tokenizer and template, as its verdict says: who it may pair with."""
+        profile = NodeProfile.from_announce(link.peer_announce)
+        refusals = self._pool.pairing.set_profile(self.node_id, self.role, profile)
+        if refusals:  # one line per node newly refused (or in a newly refused pair)
+            kv = profile.kv.summary() if profile.kv else "kv unknown"
+            logger.warning("refusing %s (%s) for %s", self.node_id, kv,
+                           "; ".join(f"{r.partner}: {r.reason}" for r in refusals))
 
     async def _connect(self) -> Link:
         while True:  # until a dial succeeds; each failure sleeps with backoff

@@ -47,12 +47,14 @@ from router_plugin.cluster.migration import (
     TOKEN_TIMEOUT_CODE,
     MigrationLedger,
     failed_result_as_error,
+    is_refused_handoff,
     moves_request,
     next_batch_within,
     stall_event,
 )
 from router_plugin.cluster.node_pool import NodePool
 from router_plugin.cluster.peer_links import PeerEvent, PeerLink
+from router_plugin.cluster.placement import Placement, wire_id
 from router_plugin.cluster.stats import RouterStats
 from router_plugin.cluster.stream_bridge import (
     DECODE,
@@ -61,6 +63,7 @@ from router_plugin.cluster.stream_bridge import (
     BridgeState,
     ResultEvent,
     StreamBridge,
+    token_events,
 )
 
 logger = logging.getLogger(__name__)
@@ -93,32 +96,6 @@ class RoutingContext:
     clock: Callable[[], float] = time.monotonic  # for the pool's telemetry ages
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # moves after the client saw a token
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S  # once streaming, silence migrates; 0: off
-
-
-@dataclass
-class Placement:
-    """One routing attempt of a request: its wire id and the two nodes serving it."""
-
-    attempt: int
-    wire_id: str
-    prefill: PeerLink | None  # None: the decode node prefills itself (a local request)
-    decode: PeerLink
-    # "done": that side holds nothing more for this attempt (finished, failed or gone).
-    prefill_done: bool = False
-    decode_done: bool = False
-    # Prompt tokens the decode node was believed to hold when placed (before this request).
-    decode_held_tokens: int = 0
-    released: bool = False  # its routes freed and its nodes' counts given back
-
-    def sides(self) -> list[tuple[PeerLink, bool]]:
-        """(node, done) for each node serving this attempt."""
-        both = [(self.prefill, self.prefill_done), (self.decode, self.decode_done)]
-        return [(peer, done) for peer, done in both if peer is not None]
-
-
-def wire_id(request_id: str, attempt: int) -> str:
-    # A fresh id per attempt: frames of an abandoned attempt find no route.
-    return request_id if attempt == 0 else f"{request_id}~{attempt}"
 
 
 class RoutedRequest:
@@ -175,13 +152,16 @@ class RoutedRequest:
     async def _place(self) -> None:
         info = RequestInfo(self.request.request_id, len(self.request.prompt_tokens),
                            self.request.max_tokens)
-        select, excluded = self.context.select, self.excluded
-        decode = await select(DECODE, info, excluded, self.blocks)
-        held = self.context.pool.cached_prefix_tokens(decode.node_id, self.blocks,
-                                                      self.context.clock())
+        select, excluded, pool = self.context.select, self.excluded, self.context.pool
+        now = self.context.clock()  # only pairs that can hand the KV over are ever placed
+        decode = await select(DECODE, info, excluded | pool.unpaired_decodes(excluded, now),
+                              self.blocks)
+        held = pool.cached_prefix_tokens(decode.node_id, self.blocks, now)
         prefill = None
         if not self._local_on(held):
-            prefill = await select(PREFILL, info, excluded, self.blocks)
+            prefill = await select(PREFILL, info,
+                                   excluded | pool.unpaired_prefills(decode.node_id, now),
+                                   self.blocks)
         attempt = self.bridge.attempt
         placement = Placement(attempt, wire_id(self.request.request_id, attempt), prefill, decode,
                               prefill_done=prefill is None, decode_held_tokens=held)
@@ -241,6 +221,9 @@ class RoutedRequest:
             return []  # after the terminal (a failed migration), nothing more matters
         if event.source == DECODE:
             placement.prefill_done = True  # D has the KV (or P's part no longer matters)
+            if placement.prefill is not None:  # the pair works: a refusal starts over
+                self.context.pool.pairing.succeeded(placement.prefill.node_id,
+                                                    placement.decode.node_id)
         event = failed_result_as_error(event)
         if event.lost or event.error is not None:
             if event.code != TOKEN_TIMEOUT_CODE:  # a silent node still works: cancel it
@@ -271,6 +254,8 @@ class RoutedRequest:
         return outputs
 
     async def _on_failure(self, event: PeerEvent) -> list[BridgeOutput]:
+        if self.placement.prefill is not None and is_refused_handoff(event, self.bridge.state):
+            return await self._reroute_refused(event)
         if self.bridge.emitted_any_token:
             return await self._on_failure_while_streaming(event)
         if self.bridge.can_reroute and self._worth_rerouting(event):
@@ -296,21 +281,37 @@ class RoutedRequest:
         return self.bridge.finish(FINISH_ERROR, event.error or f"{event.source} node failed")
 
     async def _migrate(self, event: PeerEvent) -> list[BridgeOutput]:
-        """Continue on a new pair: prompt + streamed tokens, the rest of the budget."""
         logger.info("migrating %s after %d tokens: %s (%s)", self.request.request_id,
                     len(self.ledger.generated), event.node_id, event.error)
-        self.excluded.add(event.node_id)
+        self.context.stats.requests.migrated += 1
+        return await self._continue_without(event, event.node_id)
+
+    async def _reroute_refused(self, event: PeerEvent) -> list[BridgeOutput]:
+        """The decode node refused the KV: that pair cools down; another pair takes over."""
+        prefill, decode = self.placement.prefill.node_id, self.placement.decode.node_id
+        code = event.code or "handoff_failed"
+        cooldown_s = self.context.pool.pairing.cool(prefill, decode, self.context.clock())
+        self.context.stats.count_refused_handoff(code)
+        if not self.ledger.can_migrate:
+            return self._end_with(event)
+        logger.info("re-placing %s: %s refused the KV of %s (%s; the pair rests %.1f s)",
+                    self.request.request_id, decode, prefill, code, cooldown_s)
+        self.context.stats.requests.rerouted += 1
+        return await self._continue_without(event, decode)
+
+    async def _continue_without(self, event: PeerEvent, node_id: str) -> list[BridgeOutput]:
+        """Continue on a pair without ``node_id``: prompt + streamed tokens, the budget left."""
+        self.excluded.add(node_id)
         await self._release(self.placement, "migrated")
         self.request = self.ledger.next_request()
         self.blocks = self.context.pool.prefixes.blocks(self.request.prompt_tokens)
         self.bridge.resume()
-        self.context.stats.requests.migrated += 1
         self.resumed_at_s = self.context.clock()
         try:
             await self._place_again()
         except MlxcelError as exc:  # no healthy pair left (or none with room)
-            logger.warning("%s cannot migrate: %s", self.request.request_id, exc.message)
-            return self.bridge.finish(FINISH_ERROR, f"{event.error}; no node to migrate to")
+            logger.warning("%s cannot move: %s", self.request.request_id, exc.message)
+            return self.bridge.finish(FINISH_ERROR, f"{event.error}; no node to move to")
         return []
 
     async def _place_again(self) -> None:
@@ -346,19 +347,9 @@ class RoutedRequest:
             placement.decode_done = True
 
     def _token_events(self, output: BridgeOutput) -> list[TokenEvent]:
-        rid = self.request.request_id
-        if not output.token_ids:
-            return [TokenEvent(rid, self.index, None, output.finish_reason, output.error)]
-        events = []
-        last = len(output.token_ids) - 1
-        for i, token_id in enumerate(output.token_ids):
-            finish = output.finish_reason if i == last else None
-            events.append(TokenEvent(  # the first token brings what P said of the prompt
-                rid, self.index, token_id, finish, output.error if finish else None,
-                0 if self.index else self.cached_tokens,
-                output.logprobs[i] if output.logprobs else None,
-                None if self.index else self.prompt_logprobs))
-            self.index += 1
+        events = token_events(self.request.request_id, self.index, output, self.cached_tokens,
+                              self.prompt_logprobs)
+        self.index += len(output.token_ids)
         return events
 
     # ------------------------------------------------------------ cleanup

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -48,6 +48,11 @@ class RouterStats:
         default_factory=lambda: deque(maxlen=MIGRATION_SAMPLES))
     migration_resume_total_s: float = 0.0  # over every migration, for /metrics
     migration_resumes: int = 0
+    # Handoffs a decode node refused (the request went to another pair), by refusal code.
+    refused_handoffs: Counter[str] = field(default_factory=Counter)
+
+    def count_refused_handoff(self, code: str) -> None:
+        self.refused_handoffs[code] += 1
 
     def observe_migration_resume(self, seconds: float) -> None:
         self.migration_resume_s.append(seconds)
@@ -67,6 +72,8 @@ def snapshot(stats: RouterStats, pool: NodePool, *, queue_depth: int,
             "active_prefills": stats.active_prefills,
             "active_decodes": stats.active_decodes,
             **migration_resume_quantiles(stats.migration_resume_s),
+            "refused_handoffs": dict(stats.refused_handoffs),
+            "pair_refusals": dict(pool.pairing.reason_counts),
         },
     }
 
@@ -112,8 +119,24 @@ class RouterCollector(Collector):
             "From a mid-stream migration's start to its first continued token.",
             count_value=self._stats.migration_resumes,
             sum_value=self._stats.migration_resume_total_s)
+        yield from self._refusals()
         yield from self._gauges()
         yield from self._nodes()
+
+    def _refusals(self) -> Iterator[Any]:
+        pairs = CounterMetricFamily(
+            "mlxcel:router_pair_refusals", "Node pairs (or nodes) refused before any traffic, "
+            "by reason: the decode node cannot take the KV, or tokenizer/template differ.",
+            labels=["reason"])
+        for reason, value in self._pool.pairing.reason_counts.items():
+            pairs.add_metric([reason], value)
+        yield pairs
+        handoffs = CounterMetricFamily(
+            "mlxcel:router_refused_handoffs", "Handoffs a decode node refused; each request "
+            "went on on another pair (outcome rerouted), by refusal code.", labels=["code"])
+        for code, value in self._stats.refused_handoffs.items():
+            handoffs.add_metric([code], value)
+        yield handoffs
 
     def _gauges(self) -> Iterator[Any]:
         values = {

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from mlxcel_plugin.engine_api import FINISH_ERROR
-from mlxcel_plugin.logprobs import TokenLogprobs
+from mlxcel_plugin.engine_api import FINISH_ERROR, TokenEvent
+from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -199,3 +199,22 @@ class StreamBridge:
         self.state = BridgeState.COMPLETE
         self.finish_reason, self.error = finish_reason, error
         self._early.clear()
+
+
+def token_events(request_id: str, index: int, output: BridgeOutput, cached_tokens: int,
+                 prompt_logprobs: PromptLogprobs | None) -> list[TokenEvent]:
+    """One ``TokenEvent`` per token of ``output`` from completion ``index`` (or its bare end).
+
+    The first token of the completion (``index`` 0) brings what P said of the prompt.
+    """
+    if not output.token_ids:
+        return [TokenEvent(request_id, index, None, output.finish_reason, output.error)]
+    events = []
+    last = len(output.token_ids) - 1
+    for i, token_id in enumerate(output.token_ids):
+        at, finish = index + i, output.finish_reason if i == last else None
+        events.append(TokenEvent(
+            request_id, at, token_id, finish, output.error if finish else None,
+            0 if at else cached_tokens, output.logprobs[i] if output.logprobs else None,
+            None if at else prompt_logprobs))
+    return events

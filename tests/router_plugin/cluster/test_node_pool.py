@@ -107,6 +107,9 @@ def test_stats_redact_addresses_and_errors_unless_verbose():
         "total_failures": 1,
         "prefix_blocks": 0,
         "telemetry": None,
+        "kv": None,  # it announced no profile: it pairs with every decode node
+        "pairs": ["decode-0"],
+        "refused": [],
     }
     assert stats["prefill"][1]["health_age_s"] is None
     assert stats["decode"][0]["telemetry"] == {
