@@ -123,6 +123,11 @@ def register_inference_extension(registry: CollectorRegistry,
            lambda: report().queue_depth)
     _gauge(registry, "vllm:num_requests_running", "Requests running (Inference Extension).",
            lambda: report().active_sequences)
+    def kv_used() -> float:
+        return min(1.0, max(0.0, 1.0 - report().free_kv_fraction))
+
+    # vLLM renamed its gauge; the extension's releases look for one or the other.
     _gauge(registry, "vllm:gpu_cache_usage_perc",
-           "KV cache in use, 0..1 (Inference Extension).",
-           lambda: min(1.0, max(0.0, 1.0 - report().free_kv_fraction)))
+           "KV cache in use, 0..1 (Inference Extension).", kv_used)
+    _gauge(registry, "vllm:kv_cache_usage_perc",
+           "KV cache in use, 0..1 (Inference Extension; vLLM's current name).", kv_used)

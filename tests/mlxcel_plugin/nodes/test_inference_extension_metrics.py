@@ -32,6 +32,7 @@ def test_waiting_running_and_kv_usage_fraction_under_vllm_names():
         "vllm:num_requests_waiting": 3.0,
         "vllm:num_requests_running": 2.0,
         "vllm:gpu_cache_usage_perc": 0.75,
+        "vllm:kv_cache_usage_perc": 0.75,  # vLLM's current name, beside the old one
     }
 
 
@@ -42,3 +43,4 @@ def test_kv_usage_is_read_at_scrape_time_and_clamped():
     assert registry.get_sample_value("vllm:gpu_cache_usage_perc") == 0.0
     report.free_kv_fraction = -0.5  # an over-committed budget still reads as full
     assert registry.get_sample_value("vllm:gpu_cache_usage_perc") == 1.0
+    assert registry.get_sample_value("vllm:kv_cache_usage_perc") == 1.0
