@@ -66,10 +66,24 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
     current = env.get("LD_PRELOAD", "")
     if "openblas" not in current:
         new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
-    coretype = chosen_coretype(coretype_choice(env), read_cpu_flags())
+    choice = coretype_choice(env)
+    coretype = chosen_coretype(choice, read_cpu_flags())
     if coretype is not None:
         new_env[CORETYPE_VAR] = coretype
-    return None if new_env == dict(env) else new_env
+    if new_env == dict(env):
+        return None
+    logger.info("OpenBLAS %s preloaded; %s=%s (%s), %s=%s", library, CORETYPE_VAR,
+                new_env.get(CORETYPE_VAR, "unset"), _why(env, choice, coretype), L2_SIZE_VAR,
+                new_env.get(L2_SIZE_VAR, "unset"))
+    return new_env
+
+
+def _why(env: Mapping[str, str], choice: str, coretype: str | None) -> str:
+    if env.get(CORETYPE_CHOICE_VAR):
+        return f"{CORETYPE_CHOICE_VAR}={choice}"
+    if choice == "keep":
+        return "as the environment pins it"
+    return "chosen: AVX-512" if coretype else "OpenBLAS detects it"
 
 
 def coretype_choice(env: Mapping[str, str]) -> str:

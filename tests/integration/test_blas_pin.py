@@ -39,7 +39,7 @@ def _other_than(core: str) -> str:
     return "Sandybridge" if core.lower() != "sandybridge" else "Haswell"
 
 
-def _node(tmp_path, model, env: dict[str, str]) -> tuple[dict[str, str], str]:
+def _node(tmp_path, model, env: dict[str, str]) -> tuple[dict[str, str], str, str]:
     node: NodeProcess = start_node("hybrid", tmp_path, ["--model", str(model), "--no-warmup"],
                                    env={"MLXCEL_PROBE_CACHE_DIR": str(tmp_path / "probe"), **env})
     try:
@@ -48,25 +48,28 @@ def _node(tmp_path, model, env: dict[str, str]) -> tuple[dict[str, str], str]:
     finally:
         node.stop()
     environ = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
-    core = re.search(r"BLAS under MLX: \S+ \S+ core (\S+)", node.log_path.read_text())
+    log = node.log_path.read_text()
+    core = re.search(r"BLAS under MLX: \S+ \S+ core (\S+)", log)
     assert core, node.log_tail()
-    return environ, core.group(1)
+    return environ, core.group(1), log
 
 
 @pytest.mark.skipif("avx2" not in openblas.read_cpu_flags(), reason="pins Haswell")
 def test_a_node_keeps_the_pinned_core_type(tiny_model_path, tmp_path):
     pin = _pin()
-    environ, core = _node(tmp_path, tiny_model_path, {openblas.CORETYPE_VAR: pin})
+    environ, core, log = _node(tmp_path, tiny_model_path, {openblas.CORETYPE_VAR: pin})
     assert "openblas" in environ.get("LD_PRELOAD", "")  # re-executed with OpenBLAS under MLX
     assert environ[openblas.CORETYPE_VAR] == pin
     assert core.lower() == pin.lower()
+    if "openblas" not in os.environ.get("LD_PRELOAD", ""):  # else no re-exec, nothing said
+        assert f"OPENBLAS_CORETYPE={pin} (as the environment pins it)" in log
 
 
 @pytest.mark.skipif("avx2" not in openblas.read_cpu_flags(), reason="pins Haswell")
 def test_an_explicit_choice_replaces_the_pin(tiny_model_path, tmp_path):
     pin = _pin()
     chosen = _other_than(pin)
-    environ, core = _node(tmp_path, tiny_model_path, {openblas.CORETYPE_VAR: pin,
-                                                      openblas.CORETYPE_CHOICE_VAR: chosen})
+    environ, core, _ = _node(tmp_path, tiny_model_path, {openblas.CORETYPE_VAR: pin,
+                                                         openblas.CORETYPE_CHOICE_VAR: chosen})
     assert environ[openblas.CORETYPE_VAR] == chosen
     assert core.lower() == chosen.lower()
