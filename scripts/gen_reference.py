@@ -23,6 +23,7 @@ import reference_sources as sources  # noqa: E402
 REPO = sources.REPO
 REFERENCE = REPO / "docs" / "reference.md"
 REGENERATE = ".venv/bin/python scripts/gen_reference.py"
+UNDESCRIBED = "**undescribed**"
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -74,7 +75,7 @@ def load_test_env_table() -> str:
 
 
 def describe_env(name: str) -> str:
-    return described.ENV_DESCRIPTIONS.get(name, "**undescribed**")
+    return described.ENV_DESCRIPTIONS.get(name, UNDESCRIBED)
 
 
 def undescribed_env_names() -> list[str]:
@@ -156,13 +157,15 @@ def endpoints_table() -> str:
             row = rows.setdefault((endpoint.path, endpoint.methods), {"roles": [], "what": ""})
             row["roles"].append(roles)
             row["what"] = row["what"] or endpoint.summary
-    body = [(code(f"{methods} {path}"), ", ".join(row["roles"]), describe_endpoint(path, row))
+    body = [(code(f"{methods} {path}"), ", ".join(row["roles"]),
+             describe_endpoint(f"{methods} {path}", path, row))
             for (path, methods), row in sorted(rows.items())]  # fmt: skip
     return table(("endpoint", "roles", "what"), body)
 
 
-def describe_endpoint(path: str, row: dict) -> str:
-    return described.ENDPOINT_DESCRIPTIONS.get(path) or row["what"] or "**undescribed**"
+def describe_endpoint(route: str, path: str, row: dict) -> str:
+    table = described.ENDPOINT_DESCRIPTIONS
+    return table.get(route) or table.get(path) or row["what"] or UNDESCRIBED
 
 
 def metrics_table() -> str:

@@ -35,6 +35,9 @@ ENV_DESCRIPTIONS = {
     "instead of keeping its answer",
     "MLXCEL_HUGE_PAGES": "`0` stops engine nodes asking Linux for transparent huge pages under "
     "received K/V (by default they ask: far fewer page faults per handoff)",
+    "MLXCEL_RESPONSES_STORE_MAX_COUNT": "responses kept for `GET /v1/responses/{id}` and "
+    "`previous_response_id` (default 1000; the least recently used go first; per router process)",
+    "MLXCEL_RESPONSES_STORE_MAX_BYTES": "bytes those stored responses may take (default 64 MiB)",
     "MLXCEL_LOCUST_MODEL": "model name (default: the first id at `/v1/models`)",
     "MLXCEL_LOCUST_MAX_TOKENS": "`max_tokens` per request (default 64)",
     "MLXCEL_LOCUST_TEMPERATURE": "sampling temperature (default 0)",
@@ -91,8 +94,14 @@ TOML_DESCRIPTIONS = {
     "node.max_links": "links a node accepts at once",
 }
 
-# path -> description, for routes without an OpenAPI summary or a docstring.
+# "METHOD path" or path -> description, for routes without an OpenAPI summary or a docstring.
 ENDPOINT_DESCRIPTIONS = {
+    "POST /v1/responses": "OpenAI Responses API: items, tools, `text.format`, typed stream "
+    "events; stored for `previous_response_id`",
+    "GET /v1/responses/{response_id}": "a stored response",
+    "DELETE /v1/responses/{response_id}": "delete a stored response",
+    "POST /v1/messages": "Anthropic Messages API (JSON or SSE stream)",
+    "POST /v1/messages/count_tokens": "Anthropic's token count of a Messages request",
     "/openapi.json": "the OpenAPI schema: every endpoint's request and response models, the "
     "SSE chunk model `ChatCompletionChunk`",
     "/docs": "Swagger UI over `/openapi.json`",

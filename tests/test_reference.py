@@ -48,6 +48,15 @@ def test_every_environment_variable_is_described(ref):
     )
 
 
+def test_every_endpoint_is_described(ref):
+    missing = [row for row in ref.endpoints_table().splitlines() if ref.UNDESCRIBED in row]
+    assert not missing, (
+        f"endpoints without a description: {missing}; give the route an OpenAPI summary or its "
+        f"handler a docstring, or add it to ENDPOINT_DESCRIPTIONS in "
+        f"scripts/reference_descriptions.py, then run {ref.REGENERATE}"
+    )
+
+
 def test_every_toml_section_the_code_reads_is_listed(ref):
     missing = ref.unlisted_sections()
     assert not missing, (
