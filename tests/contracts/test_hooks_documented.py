@@ -1,7 +1,7 @@
 """Every hook is documented and covered by a contract suite run here (as datasette checks its own).
 
 A hookspec in ``mlxcel_plugin/hookspecs.py`` needs: a docstring in the pytest
-hookspec shape; a row in the README's plugin section; a registry kind in
+hookspec shape; a row in the plugin section of ``docs/plugins.md``; a registry kind in
 ``plugins.KINDS`` (or nothing ever calls it); a contract suite in
 ``mlxcel_plugin/testing/`` (``HOOK_SUITES`` below says which); and a module in
 ``tests/contracts/`` that imports that suite and runs it over every registered
@@ -23,6 +23,7 @@ from mlxcel_plugin.plugins import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT_TESTS = Path(__file__).resolve().parent
+PLUGIN_PAGE = REPO / "docs" / "plugins.md"
 PLUGIN_SECTION = "## Writing a plugin"
 
 # hook -> (module in mlxcel_plugin.testing, the suite a plugin author runs)
@@ -46,11 +47,11 @@ def hook_names() -> list[str]:
     )
 
 
-def plugin_section(readme: str) -> str:
-    """The README's plugin section: from its heading to the next ``## `` heading."""
-    start = readme.index(PLUGIN_SECTION)
-    end = readme.find("\n## ", start + len(PLUGIN_SECTION))
-    return readme[start : end if end != -1 else len(readme)]
+def plugin_section(page: str) -> str:
+    """The plugin section of a page: from its heading to the next ``## `` heading."""
+    start = page.index(PLUGIN_SECTION)
+    end = page.find("\n## ", start + len(PLUGIN_SECTION))
+    return page[start : end if end != -1 else len(page)]
 
 
 def runs_suite(source: str, module: str, suite: str, kind: str) -> bool:
@@ -103,9 +104,9 @@ def test_hook_is_covered_by_a_contract_suite(hook):
 
 
 @pytest.mark.parametrize("hook", hook_names())
-def test_hook_is_documented_in_the_readme(hook):
-    section = plugin_section((REPO / "README.md").read_text(encoding="utf-8"))
-    assert f"`{hook}`" in section, f"{hook} is missing from the README's plugin section"
+def test_hook_is_documented_in_the_plugin_page(hook):
+    section = plugin_section(PLUGIN_PAGE.read_text(encoding="utf-8"))
+    assert f"`{hook}`" in section, f"{hook} is missing from docs/plugins.md's plugin section"
 
 
 @pytest.mark.parametrize("hook", hook_names())

@@ -2,7 +2,7 @@
 
 The cluster is started where the config points (prefill 127.0.0.1:9101, decode
 127.0.0.1:9201, ``cluster.secret`` in the proxy's working directory); the
-model comes from ``MLXCEL_MODEL`` as the config's comment says. The README
+model comes from ``MLXCEL_MODEL`` as the config's comment says. docs/litellm.md
 shows the same file.
 """
 
@@ -44,9 +44,9 @@ def port_free(address: str) -> bool:
     return True
 
 
-def test_readme_shows_the_committed_config() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert CONFIG.read_text() in readme
+def test_the_docs_show_the_committed_config() -> None:
+    page = (REPO / "docs" / "litellm.md").read_text()
+    assert CONFIG.read_text() in page
     assert shipped()["router_settings"]["num_retries"] == 0
 
 
