@@ -72,17 +72,24 @@ class SyntheticKVModel(llama.Model):
         length = inputs.shape[1]
         for index, layer_cache in enumerate(cache):
             keys, values = self._pattern(index, layer_cache.offset, length)
+            # mlx-lm's KVCache grows by a fixed step, copying all it holds each time (an 8k
+            # fill copies ~16x its size): grow by doubling, so filling costs ~one copy.
+            layer_cache.step = max(layer_cache.step, layer_cache.offset)
             layer_cache.update_and_fetch(keys, values)
         return mx.zeros((inputs.shape[0], length, self.args.vocab_size), dtype=mx.float32)
 
     def _pattern(self, layer: int, offset: int, length: int) -> tuple[mx.array, mx.array]:
         """Positions ``[offset, offset + length)`` of layer ``layer``: rows of the pattern."""
-        source = self._kv_pattern  # "_": not a parameter (nn.Module.valid_parameter_filter)
         first = offset + 97 * layer  # layers differ, so no layer repeats another's bytes
-        rows = (mx.arange(length) + first) % PATTERN_TOKENS
-        keys = mx.take(source, rows, axis=2)
-        values = mx.take(source, (rows + PATTERN_TOKENS // 2) % PATTERN_TOKENS, axis=2)
-        return keys, -values
+        return self._rows(first, length), -self._rows(first + PATTERN_TOKENS // 2, length)
+
+    def _rows(self, first: int, length: int) -> mx.array:
+        """Pattern rows ``first, first + 1, ...`` (mod its length): a slice where it can be."""
+        source = self._kv_pattern  # twice over; "_": not a parameter (valid_parameter_filter)
+        start = first % PATTERN_TOKENS
+        if length <= PATTERN_TOKENS:
+            return source[:, :, start:start + length]
+        return mx.take(source, (mx.arange(length) + start) % PATTERN_TOKENS, axis=2)
 
 
 def load_synthetic_model(model_path: str | Path) -> tuple[SyntheticKVModel, dict[str, Any]]:
@@ -100,7 +107,8 @@ def load_synthetic_model(model_path: str | Path) -> tuple[SyntheticKVModel, dict
     model = SyntheticKVModel(llama.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     shape = (1, config["num_key_value_heads"], PATTERN_TOKENS, config["head_dim"])
-    model._kv_pattern = mx.random.normal(shape).astype(dtype)
+    pattern = mx.random.normal(shape).astype(dtype)
+    model._kv_pattern = mx.concatenate([pattern, pattern], axis=2)  # any window is a slice
     mx.eval(model.parameters(), model._kv_pattern)
     return model, config
 

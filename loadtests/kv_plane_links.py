@@ -113,12 +113,14 @@ async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> 
         except (RuntimeError, TimeoutError) as exc:  # one failed case does not end the run
             print(f"{link} {tokens} {config} failed: {exc}", flush=True)
             continue
-        runs = [{"seconds": h.handoff_s, "cpu_send": h.cpu_s[0], "cpu_recv": h.cpu_s[1]}
+        runs = [{"seconds": h.transfer_s, "cpu_send": h.cpu_s[0], "cpu_recv": h.cpu_s[1]}
                 for h in done]
         row = measure_row(link, tokens, config, done[0].kv_bytes,
                           statistics.median(h.wire_bytes for h in done), runs)
         row["chosen"] = f"{done[-1].choice['strategy']}/{done[-1].choice['codec']}"
         row["tt2t_s"] = statistics.median(h.tt2t_s for h in done)
+        row["prefill_s"] = statistics.median(h.prefill_s for h in done)
+        row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
         print({k: v for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows

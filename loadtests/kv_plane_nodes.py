@@ -119,16 +119,27 @@ def netns_nodes(model: str, nodes: Any, configs: list[str], placement: Placement
 
 @dataclass
 class Handoff:
-    """One request through prefill -> handoff -> decode's first token."""
+    """One request through prefill -> handoff -> decode's first token.
+
+    ``transfer_s`` and ``cpu_s`` cover the transfer: for Full, from the end of prefill to
+    the decode node's ack (the prefill node's ``mlxcel:handoff_time_seconds``); a streaming
+    strategy sends rows while prefill still fills, so for it they run from the submit (the
+    zero-compute prefill's fill included). The decode node's CPU runs on to its first token
+    (receiving, adopting into MLX, and that token's decode step).
+    """
 
     kv_bytes: int  # raw KV handed over (what the decode node gets)
     wire_bytes: float  # encoded bytes (the prefill node's mlxcel:handoff_bytes)
-    handoff_s: float  # end of prefill to the decode node's ack (the prefill node's metric)
+    prefill_s: float  # submit to the prefill node's token
+    transfer_s: float
     tt2t_s: float  # submit to the decode node's first token
-    # Prefill node over the handoff window; decode node from the end of prefill to its
-    # first token (receiving, adopting into MLX, and that token's decode step).
-    cpu_s: list[float]
+    cpu_s: list[float]  # prefill node, decode node
     choice: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def whole(self) -> bool:
+        """Sent after prefill (Full): the transfer window holds nothing else."""
+        return self.choice.get("strategy") == "full"
 
 
 def handoff_totals(url: str) -> tuple[float, float]:
@@ -150,13 +161,13 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
     if not outcome.ok or len(outcome.token_times_s) < 2:
         raise RuntimeError(f"{request_id}: {outcome.finish_reason} {outcome.error}")
     after = handoff_totals(url)
-    handoff_s = after[0] - before[0]
     prefilled, decoded = outcome.token_times_s[:2]  # the prefill node's token, decode's
+    acked = prefilled + after[0] - before[0]
     choice = json.loads(get(f"{url}/health"))["transfer"]["last_choice"]
-    sender = sampler.between(prefilled, prefilled + handoff_s)[0]
-    receiver = sampler.between(prefilled, max(decoded, prefilled + handoff_s))[1]
-    return Handoff(int(choice["payload_bytes"]), after[1] - before[1], handoff_s,
-                   decoded - start, [sender, receiver], choice)
+    begin = prefilled if choice.get("strategy") == "full" else start
+    cpu = [sampler.between(begin, acked)[0], sampler.between(begin, max(decoded, acked))[1]]
+    return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
+                   acked - begin, decoded - start, cpu, choice)
 
 
 async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,

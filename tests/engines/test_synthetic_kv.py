@@ -62,7 +62,7 @@ def test_prefill_fills_every_layer_with_the_pattern(checkpoint):
     import mlx.core as mx
 
     model, _ = load_synthetic_model(checkpoint)  # same seed: the pattern the engine fills
-    pattern_bits = np.array(model._kv_pattern.view(mx.uint16))
+    pattern_bits = np.array(model._kv_pattern.view(mx.uint16))[:, :, :PATTERN_TOKENS]
     engine = started(checkpoint)
     try:
         request = make_request(engine.info, "p", max_tokens=2, prompt_tokens=300)
