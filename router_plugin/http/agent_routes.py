@@ -23,8 +23,7 @@ def install_agent_routes(app: FastAPI, front: Any, store: ResponseStore | None =
     app.state.response_store = responses.store
     app.router.routes[:0] = [
         Route("/v1/responses", responses.create, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
-        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}", responses.by_id, methods=["GET", "DELETE"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
     ]

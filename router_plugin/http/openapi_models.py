@@ -1,8 +1,9 @@
 """The API's request and response models (pydantic), for ``/openapi.json`` and ``/docs``.
 
-The two completion routes are plain Starlette routes whose handlers parse their
-own bodies (``openai_schema``: the hot path pays no model validation), so they
-are described here by schema-only FastAPI routes that are never mounted; the
+The completion routes (and the agent APIs', ``agent_openapi_models``) are
+plain Starlette routes whose handlers parse their own bodies
+(``openai_schema``: the hot path pays no model validation), so they are
+described here by schema-only FastAPI routes that are never mounted; the
 other routes are FastAPI's own. The models say what the parser accepts (same
 ranges); ``tests/router_plugin/http/test_front_fuzz.py`` checks that a body the
 schema refuses is a 4xx and that 200 bodies match the response models, and
@@ -19,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
+from router_plugin.http.agent_openapi_models import agent_schema_routes
 from router_plugin.http.openai_schema import INT64_MAX, INT64_MIN
 
 
@@ -277,6 +279,7 @@ def _schema_routes() -> list[APIRoute]:
         APIRoute("/v1/completions", _completions, methods=["POST"],
                  response_model=TextCompletion, responses=text,
                  summary="Text completion (JSON or SSE stream)"),
+        *agent_schema_routes(_ERRORS),  # Responses and Messages (agent_openapi_models)
     ]  # fmt: skip
 
 

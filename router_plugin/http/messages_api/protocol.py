@@ -50,7 +50,9 @@ def _text_blocks(value: Any, param: str) -> str:
 def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
     if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
         raise bad(param, "a tool_use block needs a string id and name")
-    arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+    if not isinstance(block.get("input"), dict):
+        raise bad(f"{param}.input", "expected an object")
+    arguments = json.dumps(block["input"], ensure_ascii=False)
     return {"id": block["id"], "type": "function",
             "function": {"name": block["name"], "arguments": arguments}}  # fmt: skip
 
@@ -112,6 +114,23 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _tool(tool: Any, param: str) -> dict[str, Any] | None:
+    """A client tool as a chat tool; None for a server tool (it has a ``type``)."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise bad(f"{param}.name", "a tool needs a string name")
+    if tool.get("type") not in (None, "custom"):
+        return None
+    schema, description = tool.get("input_schema"), tool.get("description")
+    if schema is not None and not isinstance(schema, dict):
+        raise bad(f"{param}.input_schema", "expected a JSON schema object")
+    if description is not None and not isinstance(description, str):
+        raise bad(f"{param}.description", "expected a string")
+    function = {"name": tool["name"], "parameters": schema or {}}
+    if description is not None:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
 def chat_tools(value: Any, skip_hosted: Any) -> list[dict[str, Any]] | None:
     if value is None:
         return None
@@ -119,25 +138,29 @@ def chat_tools(value: Any, skip_hosted: Any) -> list[dict[str, Any]] | None:
         raise bad("tools", "expected a list of tools")
     tools = []
     for index, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            raise bad(f"tools.{index}", "expected an object")
-        if tool.get("type") not in (None, "custom"):
+        converted = _tool(tool, f"tools.{index}")
+        if converted is None:
             skip_hosted(str(tool.get("type")))
-            continue
-        if not isinstance(tool.get("name"), str):
-            raise bad(f"tools.{index}.name", "expected a string")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
+        else:
+            tools.append(converted)
     return tools or None
 
 
 def tool_choice(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else value
-    if value is None or kind in ("auto", "none"):
-        return None if value is None else kind
+    if value is None:
+        return None
+    if isinstance(value, dict) and value.get("type") in ("auto", "none"):
+        return value["type"]
     raise bad("tool_choice", "only {'type': 'auto'} and {'type': 'none'} are supported")
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    """Anthropic's ranges where they are narrower than chat's (the chat parser checks types)."""
+    temperature, top_k = body.get("temperature"), body.get("top_k")
+    if isinstance(temperature, int | float) and not 0 <= temperature <= 1:
+        raise bad("temperature", f"must be between 0 and 1, got {temperature}")
+    if isinstance(top_k, int) and top_k < 0:
+        raise bad("top_k", f"must be at least 0, got {top_k}")
 
 
 def parse_messages_request(body: dict[str, Any], skip_hosted: Any, *,
@@ -145,6 +168,7 @@ def parse_messages_request(body: dict[str, Any], skip_hosted: Any, *,
     """The chat body for ``body``; ``count_only`` (count_tokens) needs no ``max_tokens``."""
     if not count_only and body.get("max_tokens") is None:
         raise bad("max_tokens", "Field required")
+    _check_sampling(body)
     stops = body.get("stop_sequences")
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str)
                                                                  for s in stops)):  # fmt: skip

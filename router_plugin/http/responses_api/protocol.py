@@ -132,11 +132,14 @@ def chat_tools(value: Any, skip_hosted: Any) -> list[dict[str, Any]] | None:
     tools = []
     for index, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(kind, str):
+            raise bad(f"tools[{index}].type", "each tool needs a string type")
+        name = tool.get("name")
+        if (kind == "function" or name is not None) and not isinstance(name, str):
+            raise bad(f"tools[{index}].name", "expected a string (required on a function tool)")
         if kind != "function":
-            skip_hosted(str(kind))
+            skip_hosted(kind)
             continue
-        if not isinstance(tool.get("name"), str):
-            raise bad(f"tools[{index}].name", "a function tool needs a string name")
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         tools.append({"type": "function", "function": function})
     return tools or None
@@ -159,10 +162,18 @@ def response_format(text: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(fmt, dict):
         raise bad("text.format", "expected an object")
+    _check_format_fields(fmt)
     if fmt.get("type") != "json_schema":
         return fmt  # text / json_object: the same shape as chat's
     schema = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
+
+
+def _check_format_fields(fmt: dict[str, Any]) -> None:
+    for name, kind, what in (("name", str, "a string"), ("strict", bool, "a boolean"),
+                             ("schema", dict, "a JSON schema object")):  # fmt: skip
+        if fmt.get(name) is not None and not isinstance(fmt[name], kind):
+            raise bad(f"text.format.{name}", f"expected {what}")
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:

@@ -89,13 +89,13 @@ class ResponsesServing:
             return Response(status_code=499)
         return SSEResponse(self._stream(turn), headers=sse.HEADERS)
 
-    async def retrieve(self, request: Request) -> JSONResponse:
+    async def by_id(self, request: Request) -> JSONResponse:
+        """``GET`` (the stored body) or ``DELETE`` a stored response."""
         self.front.metrics.api_request(API)
-        return JSONResponse(self._stored(request).body)
-
-    async def delete(self, request: Request) -> JSONResponse:
-        self.front.metrics.api_request(API)
-        response_id = self._stored(request).body["id"]
+        stored = self._stored(request)
+        if request.method == "GET":
+            return JSONResponse(stored.body)
+        response_id = stored.body["id"]
         self.store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
