@@ -42,8 +42,22 @@ def check_cache_kinds(caches: list[Any]) -> None:
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
+    """A numpy copy of ``x`` (bf16 as its uint16 bits)."""
     view = _VIEW_AS.get(x.dtype)
     return np.array(x.view(view) if view is not None else x)
+
+
+def _numpy_view(x: mx.array) -> np.ndarray:
+    """``x``'s own memory as numpy (evaluating it; strided where ``x`` is a slice), no copy.
+
+    Safe to read while the engine goes on: the view holds the MLX array, and
+    MLX never writes a buffer another array still refers to (an in-place update
+    of the cache copies it first), so these bytes stay what prefill computed.
+    """
+    view = _VIEW_AS.get(x.dtype)
+    array = np.array(x.view(view) if view is not None else x, copy=False)
+    array.flags.writeable = False  # MLX's memory: nothing on this side may write it
+    return array
 
 
 def cells_to_rows(on_rows: RowsReady) -> Callable[[int, int, list[Any]], None]:
@@ -66,7 +80,8 @@ def live_keys_values(cache: Any) -> tuple[mx.array, mx.array]:
 
 
 def to_cache_layer(cache: Any, prompt_len: int | None = None) -> CacheLayer:
-    """Copy one evaluated leaf cache to numpy (``prompt_len``: a fixed-size state's offset)."""
+    """One evaluated leaf cache as numpy views of its MLX memory, not copies (the KV
+    writer sends a strided view head by head); ``prompt_len``: a fixed-size state's offset."""
     arrays = cache_layout.live_arrays(cache)
     offset = getattr(cache, "offset", None)
     offset = int(offset) if isinstance(offset, int) else int(prompt_len or 1)
@@ -77,7 +92,7 @@ def to_cache_layer(cache: Any, prompt_len: int | None = None) -> CacheLayer:
     floats = [a.dtype for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)]
     return CacheLayer.of_arrays(
         type(cache).__name__,
-        {name: _to_numpy(a) for name, a in arrays.items()},
+        {name: _numpy_view(a) for name, a in arrays.items()},
         dtype_name(floats[0] if floats else first.dtype),
         offset,
         cache_layout.layer_meta(cache, held),

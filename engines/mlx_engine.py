@@ -271,7 +271,7 @@ class MlxEngine:
             self._run_generate(job)
         else:
             self._run_prefill_only(job)
-        self._prefix.store_pending()  # off the first token's path (engines/prefix/cache.py)
+        self._prefix.store_pending(adopt=not isinstance(job, Generate))  # prefix/cache.py
         self._fit_prefix_cache()
 
     def _prefill_request(self, request: GenerationRequest, on_layer: Any = None,

@@ -25,7 +25,8 @@ does not do: a hit reads the entry in place (fresh caches over views of its
 arrays, copied once when the prefill first extends them, where mlx-lm
 deep-copies and then grows the copy); a prefill's own store is queued
 (``store_prompt_later``) and copied after its first token is out
-(``store_pending``); a finished sequence's caches are adopted, not copied.
+(``store_pending``); a finished sequence's caches, and a prefill-only job's
+(which nothing decodes), are adopted, not copied.
 
 A decode node *pins* a stored prefix for a delta handoff (``pin``, from its
 event loop): the request holds references to the entry's arrays, so an
@@ -218,11 +219,16 @@ class PrefixCache:
         if self.enabled and (not self.snapshots or self.reuse_generated):
             self._pending.append((tokens[: self._storable(tokens)], caches))
 
-    def store_pending(self) -> None:
-        """Copy in what ``store_prompt_later`` queued (the engine loop, after emitting)."""
+    def store_pending(self, adopt: bool = False) -> None:
+        """Copy in what ``store_prompt_later`` queued (the engine loop, after emitting).
+
+        ``adopt``: the caches are nobody else's (a prefill-only job's: nothing decodes
+        them), so they are kept, not copied: on a prefill node the copy ran while its
+        K/V went out, a second pass over every byte inside the handoff window.
+        """
         pending, self._pending = self._pending, []
         for tokens, caches in pending:
-            self._store(tokens, caches)
+            self._store(tokens, caches, adopt=adopt)
 
     def _storable(self, tokens: tuple[int, ...]) -> int:
         if self.reuse_generated:

@@ -93,9 +93,9 @@ class KVWriter:
             return messages
         crcs = []
         for spec in self.header.fingerprint.layers[index].arrays:
-            rows = np.ascontiguousarray(layer.array(spec.name)).reshape(-1, spec.width)
             running = _RunningCrc()
-            self._encode_rows(index, spec, rows, 0, descriptor, messages, running)
+            for row, rows in row_runs(layer.array(spec.name), spec.width, tokens):
+                self._encode_rows(index, spec, rows, row, descriptor, messages, running)
             crcs.append(running.value)
         self._checksums[index] = tuple(crcs)
         return messages
@@ -243,6 +243,20 @@ def _check_arrays(index: int, specs, array_of: Callable[[str], np.ndarray | None
             got = "none" if array is None else f"{array.shape}/{array.dtype}"
             raise FingerprintMismatch(f"layer {index} {spec.name} {what} {got} does not match "
                                       f"{want}")
+
+
+def row_runs(array: np.ndarray, width: int, tokens: int) -> list[tuple[int, np.ndarray]]:
+    """(first layer row, ``[n, width]`` rows) covering ``array`` in row order, without copying.
+
+    A K/V tensor viewed over the engine's own cache buffer (``[1, heads, tokens,
+    width]`` cut from a longer buffer) is contiguous head by head, not as a whole:
+    it goes out one head's run at a time. Other layouts are made contiguous once.
+    """
+    if array.flags.c_contiguous:
+        return [(0, array.reshape(-1, width))]
+    if array.ndim == 4 and array.shape[0] == 1 and array[0, 0].flags.c_contiguous:
+        return head_runs(array, tokens, 0)
+    return [(0, np.ascontiguousarray(array).reshape(-1, width))]
 
 
 def _held_tokens(spec: LayerSpec, layer: CacheLayer) -> int:

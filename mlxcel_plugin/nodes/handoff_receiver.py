@@ -14,9 +14,10 @@ decrypted straight into its place in the layer buffer. With the engine's
 as soon as it is whole and verified, while the next layers arrive (pooled
 buffers are copied and go back to the pool at once).
 
-Memory after load: once no handoff has begun for ``idle_release_s``, the
-pool's free slabs are dropped and glibc is asked to give freed pages back, so
-an idle node's RSS is its model and what it decodes, not the last burst.
+Memory after load: once no handoff has begun for ``idle_release_s``, glibc
+is asked to give freed pages back; the pool's slabs (bounded by its
+``max_bytes``) stay, faulted in, for the next handoff: a decode node waiting
+out a long prefill used to drop them and take that handoff into fresh pages.
 """
 
 from __future__ import annotations
@@ -100,9 +101,8 @@ class HandoffReceiver:
         self.idle_release_s = idle_release_s
         self._last_begin_s = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
-        logger.info("KV receive buffers: %s; freed ones kept up to %d MiB, given back after "
-                    "%.0fs idle", "the engine's" if make_buffers else "pooled",
-                    pool.max_bytes >> 20, idle_release_s)
+        logger.info("KV receive buffers: %s; freed ones kept warm up to %d MiB",
+                    "the engine's" if make_buffers else "pooled", pool.max_bytes >> 20)
 
     @property
     def allocated_bytes(self) -> int:
@@ -219,7 +219,7 @@ class HandoffReceiver:
             self._idle_timer = loop.call_later(self.idle_release_s - quiet_s,
                                                self._release_if_idle)
             return
-        self.release_memory()
+        give_back_to_os()  # the pool's slabs stay warm: the next handoff may be on its way
 
     def release_memory(self) -> int:
         """Free the pool's unlent slabs and return freed heap pages to the OS; bytes freed."""

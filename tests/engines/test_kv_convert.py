@@ -16,6 +16,9 @@ from engines.prefill import run_prefill
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import CacheLayer, CacheState
 from mlxcel_plugin.errors import HandoffError
+from mlxcel_plugin.kv_codecs import IdentityCodec
+from mlxcel_plugin.kv_serde import KVWriter, ModelFingerprint
+from mlxcel_plugin.testing.caches import make_header
 
 
 def filled_kv_cache(dtype: mx.Dtype, tokens: int = 300) -> KVCache:
@@ -39,6 +42,31 @@ def test_kv_cache_roundtrip_is_exact_and_sliced(dtype):
     assert rebuilt.offset == 300 and rebuilt.keys.dtype == dtype
     assert mx.array_equal(rebuilt.keys, cache.keys[..., :300, :]).item()
     assert mx.array_equal(rebuilt.values, cache.values[..., :300, :]).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_exported_layers_view_the_cache_memory_and_send_the_same_bytes(dtype):
+    """No numpy copy of a layer on the prefill node: the CacheLayer's arrays are the cache
+    buffer's own memory, and the writer sends that strided view head by head as the same
+    chunks' bytes, and the same checksums, as a contiguous copy gives."""
+    cache = filled_kv_cache(dtype, tokens=300)
+    layer = kv_convert.to_cache_layer(cache)
+    view_as = mx.uint16 if dtype == mx.bfloat16 else dtype
+    buffer = np.array(cache.keys.view(view_as), copy=False)
+    assert not layer.keys.flags.c_contiguous and np.shares_memory(layer.keys, buffer)
+    assert not layer.keys.flags.writeable  # MLX's memory: the node never writes it
+    copied = dataclasses.replace(layer, keys=np.ascontiguousarray(layer.keys),
+                                 values=np.ascontiguousarray(layer.values))
+    fp = ModelFingerprint("llama", 1, 2, 16, kv_convert.dtype_name(dtype), ("KVCache",))
+    header = make_header(fp, 300)
+
+    def sent(exported):
+        writer = KVWriter(header, IdentityCodec(), chunk_bytes=4096)
+        chunks = writer.layer(0, exported)
+        by_row = {(m.header["tensor"], m.header["row"]): bytes(m.body) for m in chunks}
+        return b"".join(by_row[key] for key in sorted(by_row)), writer.end().header["checksums"]
+
+    assert sent(layer) == sent(copied)
 
 
 @pytest.mark.parametrize("cache", [type("MysteryCache", (), {})()], ids=type)
@@ -99,6 +127,8 @@ def test_rotating_cache_handoff_decodes_like_the_original(tiny_model_path):
 def test_an_adopted_layer_holds_mlx_arrays_and_rebuilds_the_same_cache(dtype):
     cache = filled_kv_cache(dtype)
     layer = kv_convert.to_cache_layer(cache)
+    # As a receive buffer: numpy memory of its own (exported layers view MLX's, read-only).
+    layer = dataclasses.replace(layer, keys=np.array(layer.keys), values=np.array(layer.values))
     adopted = kv_convert.adopt_layer(layer)
     assert isinstance(adopted.keys, mx.array) and isinstance(adopted.values, mx.array)
     layer.keys[...] = 0  # the receive buffer is reused at once: the adopted layer owns a copy

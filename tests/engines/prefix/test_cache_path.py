@@ -69,6 +69,22 @@ def test_store_prompt_later_stores_nothing_until_store_pending(model):
     assert cache.stats().entries == 1
 
 
+def test_a_prefill_only_jobs_caches_are_stored_without_a_copy(model):
+    """On a prefill node nothing decodes the caches: the entry is their own memory (no pass
+    over the K/V while it is handed off), and it still reads as the prompt's."""
+    prompt = tokens(200, seed=5)
+    caches = prefilled(model, prompt)
+    before = snapshot(caches)
+    cache = PrefixCache(1 << 30, CHUNK)
+    cache.store_prompt_later(prompt, caches)
+    cache.store_pending(adopt=True)
+    entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
+    assert all(c.keys is held.keys for c, held in zip(entry, caches, strict=True))
+    for held, was in zip(snapshot(entry), before, strict=True):
+        assert np.array_equal(held, was[..., :192, :])
+    assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
+
+
 def test_store_finished_adopts_the_caches_it_is_handed(model):
     held = tokens(150, seed=4)
     caches = prefilled(model, held)
