@@ -8,11 +8,12 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel_plugin.engine_api import GenerationRequest
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.front import make_app
 from router_plugin.http.options import FrontOptions
+from tests.router_plugin.http.test_front import ScriptedBackend
 from tests.router_plugin.http.test_responses_api import agent_answer, replies
 
 MODEL = "tiny"
@@ -211,3 +212,25 @@ async def test_x_api_key_is_accepted_and_a_refusal_is_anthropic_shaped(make_fron
     bearer = await client.post("/v1/responses", json={"input": "hi"},
                                headers={"Authorization": "Bearer sekret"})
     assert bearer.status_code == 200
+
+
+async def test_an_engine_error_is_an_anthropic_error_or_error_event(text_tokenizer) -> None:
+    events = [TokenEvent("x", 0, 100), TokenEvent("x", 1, None, FINISH_ERROR, "device lost")]
+    app = make_app(ScriptedBackend(events), text_tokenizer, MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        r = await messages(c)
+        assert r.status_code == 500
+        assert r.json() == {"type": "error", "error": {"type": "api_error",
+                                                       "message": "device lost"}}
+        streamed = events_of((await messages(c, stream=True)).text)
+        assert streamed[0]["type"] == "message_start"
+        assert streamed[-1] == {"type": "error", "error": {"type": "api_error",
+                                                           "message": "device lost"}}
+
+
+async def test_admission_refusal_is_an_overloaded_error(text_tokenizer) -> None:
+    app = make_app(ScriptedBackend(refuse=True), text_tokenizer, MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        r = await messages(c, stream=True)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "overloaded_error"

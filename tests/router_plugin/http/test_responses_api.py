@@ -9,12 +9,13 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel_plugin.engine_api import GenerationRequest
+from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
 from mlxcel_plugin.structured_output import GrammarSpec
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.front import make_app
 from router_plugin.http.responses_api.store import COUNT_ENV, ResponseStore
+from tests.router_plugin.http.test_front import ScriptedBackend
 
 MODEL = "tiny"
 EOS = 2
@@ -272,3 +273,34 @@ def test_the_store_is_bounded_by_bytes() -> None:
         assert store.put({"id": f"r{i}", "text": "x" * 100}, [])
     assert store.size_bytes <= 400 and store.get("r0") is None and store.get("r4") is not None
     assert not store.put({"id": "big", "text": "x" * 500}, [])
+
+
+# -- failures -------------------------------------------------------------------------
+
+
+def scripted_app(text_tokenizer, backend) -> httpx.AsyncClient:
+    app = make_app(backend, text_tokenizer, MODEL)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t")
+
+
+async def test_an_engine_error_is_a_500_or_a_failed_event(text_tokenizer) -> None:
+    events = [TokenEvent("x", 0, 100), TokenEvent("x", 1, None, FINISH_ERROR, "device lost")]
+    async with scripted_app(text_tokenizer, ScriptedBackend(events)) as client:
+        r = await client.post("/v1/responses", json={"input": "hi"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        streamed = events_of((await client.post("/v1/responses", json={
+            "input": "hi", "stream": True})).text)
+        failed = streamed[-1]
+        assert failed["type"] == "response.failed"
+        assert failed["response"]["status"] == "failed"
+        assert failed["response"]["error"] == {"code": "engine_error", "message": "device lost"}
+        kept = await client.get(f"/v1/responses/{failed['response']['id']}")
+        assert kept.status_code == 404  # a failed response is not stored
+
+
+async def test_admission_refusal_is_503_with_retry_after(text_tokenizer) -> None:
+    async with scripted_app(text_tokenizer, ScriptedBackend(refuse=True)) as client:
+        for stream in (False, True):
+            r = await client.post("/v1/responses", json={"input": "hi", "stream": stream})
+            assert r.status_code == 503 and r.headers["retry-after"] == "2"
+            assert r.json()["error"]["code"] == "at_capacity"
