@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from mlxcel_plugin.compatibility import NodeProfile
 from mlxcel_plugin.config import dataclass_from_mapping, parse_host_port
 
 NODE_ROLES = ("prefill", "decode")
@@ -38,6 +39,8 @@ class Member:
     address: str  # host:port of the node's link listener (``--serving-bind``)
     fingerprint: str | None = None  # ``model_fingerprint`` of its checkpoint; None: unknown
     source: str = ""  # the source's name, for logs and /router/stats
+    # Its pinned profile (tokenizer/template digests, KV summary), when the source carries one.
+    profile: NodeProfile | None = None
 
     def __post_init__(self) -> None:
         if self.role not in NODE_ROLES:
@@ -106,3 +109,12 @@ def model_fingerprint(model_dir: str | Path | None) -> str | None:
         return None
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()[:FINGERPRINT_CHARS]
+
+
+PROFILE_KEYS = ("kv", "tokenizer", "chat_template")  # what a source may pin of a node's profile
+
+
+def pinned_profile(pins: Mapping[str, Any]) -> NodeProfile | None:
+    """The profile a discovery entry pins (peers-file keys, mdns TXT); None when none."""
+    announce = {key: pins[key] for key in PROFILE_KEYS if isinstance(pins.get(key), str)}
+    return NodeProfile.from_announce(announce) if any(announce.values()) else None

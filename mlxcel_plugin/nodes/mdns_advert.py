@@ -15,6 +15,7 @@ import socket
 from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
+from mlxcel_plugin.compatibility import NodeProfile
 from mlxcel_plugin.config import ServerConfig, parse_host_port
 from mlxcel_plugin.discovery_api import MDNS_SERVICE_TYPE, model_fingerprint
 
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 ANY_HOST = ("0.0.0.0", "::", "")
 MAX_INSTANCE_BYTES = 63  # DNS label limit
+MAX_TXT_BYTES = 250  # one TXT string is at most 255 bytes, "key=" included
 
 
 def instance_name(node_id: str) -> str:
@@ -30,12 +32,16 @@ def instance_name(node_id: str) -> str:
     return label.encode()[:MAX_INSTANCE_BYTES].decode(errors="ignore")
 
 
-def service_info(config: ServerConfig, node_id: str) -> ServiceInfo:
+def service_info(config: ServerConfig, node_id: str,
+                 profile: NodeProfile | None = None) -> ServiceInfo:
     host, port = parse_host_port(config.serving_bind or "")
     # A wildcard bind: zeroconf announces every interface's address.
     addresses = None if host in ANY_HOST else [host]
     properties = {"role": config.role, "node": node_id,
                   "fp": model_fingerprint(config.model) or ""}
+    # Its tokenizer/template digests and KV summary (each TXT string holds 255 bytes).
+    pins = profile.to_announce() if profile is not None else {}
+    properties.update({k: v for k, v in pins.items() if len(v.encode()) <= MAX_TXT_BYTES})
     return ServiceInfo(MDNS_SERVICE_TYPE, f"{instance_name(node_id)}.{MDNS_SERVICE_TYPE}",
                        port=port, properties=properties, parsed_addresses=addresses,
                        server=f"{socket.gethostname()}.local.")
@@ -46,9 +52,10 @@ class MdnsAdvert:
         self._zeroconf, self.info = zeroconf, info
 
     @classmethod
-    async def start(cls, config: ServerConfig, node_id: str) -> MdnsAdvert:
+    async def start(cls, config: ServerConfig, node_id: str,
+                    profile: NodeProfile | None = None) -> MdnsAdvert:
         zeroconf = AsyncZeroconf(ip_version=IPVersion.V4Only)
-        info = service_info(config, node_id)
+        info = service_info(config, node_id, profile)
         await zeroconf.async_register_service(info)
         logger.info("advertising %s on mdns as %s", node_id, info.name)
         return cls(zeroconf, info)
@@ -58,8 +65,9 @@ class MdnsAdvert:
         await self._zeroconf.async_close()
 
 
-async def advertise(config: ServerConfig, node_id: str) -> MdnsAdvert | None:
+async def advertise(config: ServerConfig, node_id: str,
+                    profile: NodeProfile | None = None) -> MdnsAdvert | None:
     """Start advertising when ``--advertise mdns``; None otherwise."""
     if config.advertise != "mdns":
         return None
-    return await MdnsAdvert.start(config, node_id)
+    return await MdnsAdvert.start(config, node_id, profile)

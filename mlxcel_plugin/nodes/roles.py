@@ -239,7 +239,8 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
                               announce=_announce(config, engine))
     ops = await OpsServer.start(config.host, config.port, OpsRoutes(
         node.health, node.metrics.render, ready=lambda: not node.drain.draining))
-    advert = await advertise(config, node.node_id)  # None unless --advertise mdns
+    # None unless --advertise mdns
+    advert = await advertise(config, node.node_id, node_profile(config, engine))
     housekeeping = asyncio.create_task(node.housekeeping(), name="housekeeping")
     logger.info("%s node %s: links on %s, health/metrics on http://%s:%d", config.role,
                 node.node_id, links.address, config.host, config.port)

@@ -19,10 +19,12 @@ from mlxcel_plugin.config import ServerConfig
 from mlxcel_plugin.discovery_api import (
     MDNS_SERVICE_TYPE,
     NODE_ROLES,
+    PROFILE_KEYS,
     DiscoveryConfig,
     Member,
     Snapshot,
     host_port,
+    pinned_profile,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,8 +43,9 @@ def member_from_info(info: AsyncServiceInfo, source: str = "mdns") -> Member | N
     addresses = info.parsed_addresses(IPVersion.V4Only)
     if role not in NODE_ROLES or not addresses or not info.port:
         return None
+    pins = {key: txt(info.properties, key) for key in PROFILE_KEYS}
     return Member(role, host_port(addresses[0], info.port), txt(info.properties, "fp") or None,
-                  source)
+                  source, pinned_profile(pins))
 
 
 class MdnsSource:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mlxcel_plugin.compatibility import text_refusal
 from mlxcel_plugin.discovery_api import DiscoverySource, Member, Snapshot
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
 from router_plugin.cluster.peer_links import PeerLink, PeerLinks
@@ -108,6 +109,10 @@ class Membership:
         if member.fingerprint and self.fingerprint and member.fingerprint != self.fingerprint:
             return (f"model fingerprint {member.fingerprint} differs from the pool's "
                     f"{self.fingerprint}")
+        pinned = member.profile
+        refused = text_refusal(pinned, self.pool.pairing.router) if pinned is not None else None
+        if refused is not None:  # the source pins another tokenizer or template than ours
+            return f"{refused} (pinned by {member.source or 'discovery'})"
         if member.role == "decode" and not self.allowlist.allows(member.address):
             return "not in MLXCEL_DECODE_ALLOWLIST"
         return None

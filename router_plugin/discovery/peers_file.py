@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel_plugin.config import ServerConfig
-from mlxcel_plugin.discovery_api import NODE_ROLES, DiscoveryConfig, Member, Snapshot
+from mlxcel_plugin.discovery_api import (
+    NODE_ROLES,
+    DiscoveryConfig,
+    Member,
+    Snapshot,
+    pinned_profile,
+)
 from mlxcel_plugin.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +60,8 @@ def _member(role: str, entry: Any, source: str) -> Member:
     if not isinstance(entry, dict) or not isinstance(entry.get("address"), str):
         raise ConfigError(f"{role} entry {entry!r} is neither 'host:port' nor {{address=...}}")
     try:
-        return Member(role, entry["address"].strip(), entry.get("fingerprint"), source)
+        return Member(role, entry["address"].strip(), entry.get("fingerprint"), source,
+                      pinned_profile(entry))
     except (ValueError, ConfigError) as exc:
         raise ConfigError(f"{role} entry {entry['address']!r}: {exc}") from exc
 

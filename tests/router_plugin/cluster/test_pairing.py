@@ -130,3 +130,32 @@ def test_a_node_refused_by_the_router_is_never_healthy_to_selection() -> None:
     assert not view.healthy
     assert pool.stats(0.0)["decode"][0]["refused"] == [
         {"with": ROUTER, "reason": "chat_template_mismatch"}]
+
+
+def test_discovery_pins_a_profile_and_membership_refuses_another_tokenizer() -> None:
+    import asyncio
+
+    from mlxcel_plugin.discovery_api import Member, pinned_profile
+    from router_plugin.cluster.peer_links import PeerLinks
+    from router_plugin.discovery.membership import Membership
+    from router_plugin.discovery.peers_file import _member
+
+    assert pinned_profile({"address": "a:1"}) is None
+    pinned = _member("decode", {"address": "10.0.0.1:9000", "tokenizer": "other",
+                                "kv": KV.to_announce()}, "file")
+    assert pinned.profile == NodeProfile(KV, "other", None)
+
+    async def never_connects(address: str, role: str):
+        await asyncio.Event().wait()
+
+    async def main():
+        pool = NodePool(pairing=PairingTable(TEXT))
+        membership = Membership(PeerLinks(pool, never_connects), lambda node_id: None,
+                                fingerprint=None)
+        assert membership.refusal(pinned) == "tokenizer_mismatch (pinned by file)"
+        same = Member("decode", "10.0.0.2:9000", None, "file", NodeProfile(KV, "tok", "tpl"))
+        assert membership.refusal(same) is None
+        membership.update("file", frozenset({pinned}))
+        assert pool.ids("decode") == []  # never joined, never dialled
+
+    asyncio.run(main())
