@@ -40,10 +40,18 @@ def code(text: str) -> str:
 
 
 def flags_table() -> str:
-    env_of = {dest: var for var, dest in sources.config_env_vars().items()}
-    rows = [(code(flag.names), code(env_of.get(flag.dest, "")), flag_default(flag.dest),
-             flag.help) for flag in sources.flags()]  # fmt: skip
+    env_of = {dest: [var] for var, dest in sources.config_env_vars().items()}
+    env_of.update(flag_env_read_elsewhere())
+    rows = [(code(flag.names), ", ".join(map(code, env_of.get(flag.dest, []))) or "—",
+             flag_default(flag.dest), flag.help) for flag in sources.flags()]  # fmt: skip
     return table(("flag", "env var", "default", "meaning"), rows)
+
+
+def flag_env_read_elsewhere() -> dict[str, list[str]]:
+    """Flags whose env vars are read by their own module (listed in the env table too)."""
+    from mlxcel_plugin.link.protocol.secret import ENV_SECRET, ENV_SECRET_FILE
+
+    return {"cluster_secret_file": [ENV_SECRET_FILE, ENV_SECRET]}
 
 
 def flag_default(dest: str) -> str:

@@ -257,22 +257,23 @@ class Endpoint:
 
 
 def endpoints(app: Any) -> Iterator[Endpoint]:
-    """Every route of ``app`` (its OpenAPI summary or handler docstring as the summary)."""
+    """Every route of ``app``, one per method (HEAD aside), with its OpenAPI summary, else the
+    first paragraph of its handler's docstring."""
     summaries = _openapi_summaries(app)
     for route in app.routes:
-        methods = ", ".join(sorted(set(getattr(route, "methods", None) or ()) - {"HEAD"}))
         endpoint = getattr(route, "endpoint", None)
         doc = (inspect.getdoc(endpoint) or "").split("\n\n")[0] if endpoint else ""
-        summary = summaries.get(route.path) or doc
-        yield Endpoint(route.path, methods, " ".join(summary.split()))
+        for method in sorted(set(getattr(route, "methods", None) or ()) - {"HEAD"}):
+            summary = summaries.get((route.path, method)) or doc
+            yield Endpoint(route.path, method, " ".join(summary.split()))
 
 
-def _openapi_summaries(app: Any) -> dict[str, str]:
+def _openapi_summaries(app: Any) -> dict[tuple[str, str], str]:
     if not hasattr(app, "openapi"):
         return {}
     paths = app.openapi().get("paths", {})
-    return {path: op.get("summary", "") for path, ops in paths.items() for op in ops.values()
-            if op.get("summary") and "Route" not in op.get("summary", "")}  # fmt: skip
+    return {(path, method.upper()): op["summary"] for path, ops in paths.items()
+            for method, op in ops.items() if op.get("summary")}  # fmt: skip
 
 
 @dataclass(frozen=True)
