@@ -65,7 +65,9 @@ def remembered(key: dict[str, Any] | None, probe: Probe,
     path = directory / f"{_digest(key)[:32]}.json"
     found, rows = _load(path, key)
     if found:
-        log.info("prefix cache: probe answer (min_rows=%s) from %s", rows, path)
+        log.info("prefix cache: %s (the probe's answer kept in %s)",
+                 f"any prompt token reusable (forwards of >= {rows} rows are exact)" if rows
+                 else "whole chunks reusable", path)
         return rows
     rows = probe()
     _store(path, key, rows)
