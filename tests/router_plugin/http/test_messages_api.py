@@ -14,7 +14,7 @@ from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.front import make_app
 from router_plugin.http.options import FrontOptions
 from tests.router_plugin.http.test_front import ScriptedBackend
-from tests.router_plugin.http.test_responses_api import agent_answer, replies
+from tests.router_plugin.http.test_responses_api import agent_answer, agent_sized_tools, replies
 
 MODEL = "tiny"
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
@@ -234,3 +234,15 @@ async def test_admission_refusal_is_an_overloaded_error(text_tokenizer) -> None:
         r = await messages(c, stream=True)
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
     assert r.json()["error"]["type"] == "overloaded_error"
+
+
+async def test_an_agent_sized_body_is_served(front) -> None:
+    client, _ = front
+    tools = [{"name": t["name"], "description": t["description"],
+              "input_schema": t["parameters"]} for t in agent_sized_tools(24)]
+    body = {"model": MODEL, "max_tokens": 32000, "system": "rule. " * 1000, "tools": tools,
+            "messages": USER, "metadata": {"user_id": "u"}}
+    assert 40_000 < len(json.dumps(body)) < 80_000
+    r = await client.post("/v1/messages?beta=true", json=body,
+                          headers={"anthropic-beta": "context-management-2025-06-27"})
+    assert r.status_code == 200, r.text

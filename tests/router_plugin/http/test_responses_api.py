@@ -304,3 +304,27 @@ async def test_admission_refusal_is_503_with_retry_after(text_tokenizer) -> None
             r = await client.post("/v1/responses", json={"input": "hi", "stream": stream})
             assert r.status_code == 503 and r.headers["retry-after"] == "2"
             assert r.json()["error"]["code"] == "at_capacity"
+
+
+async def test_a_prompt_over_the_context_is_context_length_exceeded(front) -> None:
+    client, _, _ = front
+    r = await client.post("/v1/responses", json={"input": "word " * 3000})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def agent_sized_tools(count: int) -> list[dict[str, Any]]:
+    """``count`` function tools with schemas about as big as a coding agent's."""
+    props = {f"arg_{i}": {"type": "string", "description": "x" * 80} for i in range(12)}
+    return [{"type": "function", "name": f"tool_{n}", "description": "d" * 400,
+             "parameters": {"type": "object", "properties": props}} for n in range(count)]
+
+
+async def test_an_agent_sized_body_is_served(front) -> None:
+    client, _, _ = front
+    body = {"input": "Say hi", "instructions": "rule. " * 1000, "tools": agent_sized_tools(24),
+            "store": False, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "k", "parallel_tool_calls": False}
+    assert 40_000 < len(json.dumps(body)) < 80_000
+    r = await client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
