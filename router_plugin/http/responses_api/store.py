@@ -12,6 +12,7 @@ stored the response). Bounds: ``MLXCEL_RESPONSES_STORE_MAX_COUNT`` (default
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import OrderedDict
@@ -69,7 +70,9 @@ class ResponseStore:
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
         if entry is not None:
-            self._entries.move_to_end(response_id)
+            # Big bodies are planned in a worker thread: the entry may be gone by now.
+            with contextlib.suppress(KeyError):
+                self._entries.move_to_end(response_id)
         return entry
 
     def delete(self, response_id: str) -> bool:
