@@ -196,6 +196,17 @@ class PrefixCache:
         if not self.snapshots or self.reuse_generated:  # a snapshot holds all it was fed
             self._store(tokens[: self._storable(tokens)], caches)
 
+    def store_received(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
+        """``store_prompt`` for a handed-off cache, read in place instead of copied.
+
+        Why: the copy ran on the decode node's engine thread between two steps,
+        a pass over every received byte that delayed every running stream. A
+        received ``KVCache`` is full (its buffer ends at its offset), so decoding
+        grows it into a new buffer and never writes the one the entry reads.
+        """
+        if not self.snapshots or self.reuse_generated:
+            self._store(tokens[: self._storable(tokens)], caches, share=True)
+
     def snapshot_hook(self, tokens: tuple[int, ...], caches: list[Any]) -> Any:
         """For ``run_prefill``'s ``on_full_chunks``: snapshot the state at the last full chunk.
 
@@ -245,8 +256,10 @@ class PrefixCache:
         if self.reuse_generated:
             self._store(tokens, caches, adopt=True)
 
-    def _store(self, tokens: tuple[int, ...], caches: list[Any], adopt: bool = False) -> None:
-        """Keep ``caches`` (holding exactly ``tokens``, or more if they can be cut back)."""
+    def _store(self, tokens: tuple[int, ...], caches: list[Any], adopt: bool = False,
+               share: bool = False) -> None:
+        """Keep ``caches`` (holding exactly ``tokens``, or more if they can be cut back);
+        ``adopt``: as they are; ``share``: views of them, where nothing writes them."""
         if not self.enabled or not tokens:
             return
         if self.snapshots:  # the caller's caches hold exactly ``tokens``
@@ -259,6 +272,9 @@ class PrefixCache:
             trim_prompt_cache(caches, caches[0].offset - len(tokens))
             mx.eval([(c.keys, c.values) for c in caches])  # no lazy graph left on a batch's buffer
             entry = caches
+        elif share and all(c.keys.shape[2] == c.offset for c in caches):
+            entry = reading(caches, len(tokens))
+            mx.eval([(c.keys, c.values) for c in entry])  # slices: views, no copy
         else:
             entry = compact_copy(caches, len(tokens))
         self._insert(tokens, entry)

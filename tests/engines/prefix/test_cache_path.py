@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engines.mlx_engine import MlxEngine
 from engines.model_loader import load_mlx_model
@@ -83,6 +83,48 @@ def test_a_prefill_only_jobs_caches_are_stored_without_a_copy(model):
     for held, was in zip(snapshot(entry), before, strict=True):
         assert np.array_equal(held, was[..., :192, :])
     assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
+
+
+def received(caches: list) -> list:
+    """As a handoff arrives: KVCaches whose buffers end at their offsets."""
+    out = []
+    for cache in caches:
+        full = KVCache()
+        full.state = (mx.contiguous(cache.keys[..., : cache.offset, :]),
+                      mx.contiguous(cache.values[..., : cache.offset, :]), cache.offset)
+        out.append(full)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def test_a_received_cache_is_stored_as_views_and_decoding_leaves_the_entry_alone(model):
+    """No copy of a handed-off cache on the decode node's engine thread: the entry reads the
+    received arrays, and the sequence's first steps grow into buffers of their own."""
+    prompt = tokens(200, seed=6)
+    caches = received(prefilled(model, prompt))
+    cache = PrefixCache(1 << 30, CHUNK)
+    cache.store_received(prompt, caches)
+    entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
+    for stored, held in zip(entry, caches, strict=True):
+        assert np.shares_memory(np.array(stored.keys, copy=False), np.array(held.keys, copy=False))
+    before = snapshot(entry)
+    for held in caches:  # a decode step writes position 200 of every layer
+        step = mx.ones((1, held.keys.shape[1], 1, held.keys.shape[3]), dtype=held.keys.dtype)
+        held.update_and_fetch(step, step)
+    mx.eval([c.state for c in caches])
+    for held, was in zip(snapshot(entry), before, strict=True):
+        assert np.array_equal(held, was)
+    assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
+
+
+def test_a_received_cache_with_room_to_grow_in_place_is_copied(model):
+    prompt = tokens(200, seed=7)
+    caches = prefilled(model, prompt)  # its buffers have room: decoding would write them
+    cache = PrefixCache(1 << 30, CHUNK)
+    cache.store_received(prompt, caches)
+    entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
+    assert not np.shares_memory(np.array(entry[0].keys, copy=False),
+                                np.array(caches[0].keys, copy=False))
 
 
 def test_store_finished_adopts_the_caches_it_is_handed(model):
