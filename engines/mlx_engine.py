@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engines import cache_layout, kv_convert
-from engines.decode_batch import DecodeBatch, Sequence
+from engines.decode_batch import Sequence
 from engines.engine_commands import (
     Cancel,
     Decode,
@@ -42,6 +42,7 @@ from engines.prefill import Prefilled, prefill_request, prepare_prefills
 from engines.prefix.cache import PrefixCache
 from engines.prefix.splice import check_handoff, handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
+from engines.speculative.batch import SpeculativeBatch
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
@@ -80,7 +81,7 @@ class MlxEngine:
         # Engine-thread state.
         self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
-        self._batch, self._speed = DecodeBatch(model), SpeedMeter()
+        self._batch, self._speed = SpeculativeBatch(model, config.speculative), SpeedMeter()
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, self.config)
@@ -325,16 +326,16 @@ class MlxEngine:
             return
         started = time.perf_counter()
         try:
-            logits = self._batch.step()
+            rows = self._batch.step_rows()  # engines/speculative/: 1 + k rows a sequence
         except Exception as exc:  # a failed step fails the batch, not the engine
             log.exception("decode step failed")
             self._fail_batch(exc)
             return
-        keep = [i for i, seq in enumerate(self._batch.sequences) if self._advance(seq, logits[i])]
-        if self._prefix.reuse_generated and len(keep) < len(logits):
-            self._store_finished(set(range(len(logits))) - set(keep))
+        keep = self._batch.advance(rows, self._advance)  # each accepted token: its own event
+        if self._prefix.reuse_generated and len(keep) < len(rows):
+            self._store_finished(set(range(len(rows))) - set(keep))
         self._batch.keep(keep)
-        self._speed.record(len(logits), time.perf_counter() - started)
+        self._speed.record(self._batch.emitted, time.perf_counter() - started)
 
     def _store_finished(self, indices: set[int]) -> None:
         """``reuse_generated``: keep what finished sequences hold, their replies included."""
@@ -392,9 +393,8 @@ class MlxEngine:
         free = 1.0 - kv_bytes / self.config.kv_memory_bytes if self.config.kv_memory_bytes else 1.0
         self._stats = EngineStats(
             queued=len(self._prefills) + len(self._waiting),
-            active_sequences=len(self._batch),
-            kv_bytes=kv_bytes,
+            active_sequences=len(self._batch), kv_bytes=kv_bytes,
             free_kv_fraction=max(0.0, free),
             tokens_per_s=self._speed.tokens_per_s,
-            prefix_cache=self._prefix.stats(),
+            prefix_cache=self._prefix.stats(), speculative=self._batch.stats,
         )

@@ -15,6 +15,7 @@ from typing import Any, get_type_hints
 
 from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheConfig
 from mlxcel_plugin.errors import ConfigError
+from mlxcel_plugin.speculative.settings import METHODS, SpeculativeConfig
 
 ROLES = ("hybrid", "prefill", "decode", "router")
 # 8 MiB: a 128k-token prompt of ordinary text with room for tool schemas.
@@ -98,6 +99,7 @@ ENGINE_SECTION = "engine"
 PREFIX_CACHE_SECTION = "prefix_cache"
 PREFIX_CACHE_BYTES_ENV = "MLXCEL_PREFIX_CACHE_BYTES"
 PREFIX_CACHE_BYTES_FLAG = "prefix_cache_bytes"  # --prefix-cache-bytes
+SPECULATIVE_SECTION = "speculative"
 
 
 def split_addresses(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -200,10 +202,12 @@ def build_config(
     toml_path = cli_values.get("distributed_config") or config.distributed_config
     engine_values: dict[str, Any] = {}
     prefix_toml: Mapping[str, Any] = {}
+    speculative_toml: Mapping[str, Any] = {}
     if toml_path:
         server, engine_values, other = _toml_values(read_toml(toml_path))
         config = _apply(config, server, "[server]")
         prefix_toml = other.pop(PREFIX_CACHE_SECTION, {})
+        speculative_toml = other.pop(SPECULATIVE_SECTION, {})
         config = replace(config, sections=other)
     config = _apply(config, cli_values, "flag")
     # --no-warmup beats [engine] warmup; otherwise [engine] beats [server]/env.
@@ -212,7 +216,8 @@ def build_config(
     engine_values.setdefault("warmup", config.warmup)
     engine_config = dataclass_from_mapping(EngineConfig, engine_values, "[engine]")
     prefix_cache = prefix_cache_config(env, prefix_toml, prefix_cache_bytes)
-    engine_config = replace(engine_config, prefix_cache=prefix_cache)
+    engine_config = replace(engine_config, prefix_cache=prefix_cache,
+                            speculative=speculative_config(speculative_toml))
     config = replace(config, engine_config=engine_config, warmup=engine_config.warmup)
     return validate(config)
 
@@ -236,6 +241,24 @@ def prefix_cache_config(
     if config.granularity not in PREFIX_GRANULARITIES:
         raise ConfigError(f"[prefix_cache] granularity must be one of "
                           f"{', '.join(PREFIX_GRANULARITIES)}, got {config.granularity!r}")
+    return config
+
+
+def speculative_config(section: Mapping[str, Any]) -> SpeculativeConfig:
+    """``[speculative]`` (docs/speculative.md), checked."""
+    config = dataclass_from_mapping(SpeculativeConfig, section, "[speculative]")
+    if config.method not in METHODS:
+        raise ConfigError(f"[speculative] method must be one of {', '.join(METHODS)}, "
+                          f"got {config.method!r}")
+    if not 1 <= config.num_speculative_tokens <= 16:
+        raise ConfigError("[speculative] num_speculative_tokens must be 1..16, "
+                          f"got {config.num_speculative_tokens}")
+    if not 1 <= config.ngram_min <= config.ngram_max <= 16:
+        raise ConfigError("[speculative] needs 1 <= ngram_min <= ngram_max <= 16, got "
+                          f"{config.ngram_min}, {config.ngram_max}")
+    if config.verify_row_cost < 0:
+        raise ConfigError(f"[speculative] verify_row_cost must be >= 0, got "
+                          f"{config.verify_row_cost}")
     return config
 
 

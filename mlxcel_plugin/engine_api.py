@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mlxcel_plugin.logprobs import PromptLogprobs, TokenLogprobs
+from mlxcel_plugin.speculative.settings import SpeculativeConfig, SpeculativeStats
 
 FINISH_STOP = "stop"  # EOS or a stop token id
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -49,6 +50,9 @@ class SamplingParams:
     # that migrated mid-stream): a node's fresh matcher consumes them first.
     grammar: str | None = None
     grammar_replay_tokens: int = 0
+    # Speculative decoding for this request ("off" | "ngram"); None: the node's setting
+    # (mlxcel_plugin/speculative/settings.py). Not sampling either, but it travels with it.
+    speculative: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -67,6 +71,8 @@ class SamplingParams:
             del data["grammar"]
         if not data["grammar_replay_tokens"]:
             del data["grammar_replay_tokens"]
+        if data["speculative"] is None:
+            del data["speculative"]
         return data
 
     @classmethod
@@ -206,6 +212,7 @@ class EngineStats:
     free_kv_fraction: float = 1.0
     tokens_per_s: float = 0.0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,7 @@ class EngineConfig:
     kv_group_size: int = 64
     warmup: bool = True
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 EmitToken = Callable[[TokenEvent], None]

@@ -25,6 +25,7 @@ from mlxcel_plugin.link import require_cluster_secret
 from mlxcel_plugin.nodes.roles import node_settings
 from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.prefix_cache_metrics import register_prefix_cache
+from mlxcel_plugin.speculative.metrics import register_speculative
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.cluster.admission import AdmissionController, BackpressureConfig
 from router_plugin.cluster.backend import ClusterBackend, RouterConfig
@@ -86,6 +87,7 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
         options=FrontOptions.from_config(config),
     )
     register_prefix_cache(app.state.front.metrics.registry, lambda: engine.stats().prefix_cache)
+    register_speculative(app.state.front.metrics.registry, lambda: engine.stats().speculative)
     return app
 
 

@@ -174,6 +174,8 @@ def _sampling_params_from_dict(data: Any) -> SamplingParams:
             values[spec.name] = f.get_int(data, spec.name, 0, MAX_TOP_LOGPROBS)
         elif spec.name == "grammar":  # mlxcel_plugin/structured_output.py
             values["grammar"] = f.get_str(data, "grammar", MAX_GRAMMAR_CHARS)
+        elif spec.name == "speculative":  # mlxcel_plugin/speculative/settings.py
+            values["speculative"] = f.get_str(data, "speculative", 16)
         elif spec.name == "grammar_replay_tokens":
             values[spec.name] = f.get_int(data, spec.name, 0, MAX_TOKENS)
         else:

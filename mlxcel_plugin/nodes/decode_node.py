@@ -62,6 +62,7 @@ from mlxcel_plugin.nodes.outbox import Outbox, token_result
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import DecodeScheduler, DecodeSchedulerConfig
+from mlxcel_plugin.speculative.metrics import register_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class DecodeNode:
                                      lambda: stats().kv_used_bytes,
                                      lambda: self.engine.stats().kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
+        register_speculative(self.metrics.registry, lambda: self.engine.stats().speculative)
         register_inference_extension(self.metrics.registry, self.telemetry)
 
     # -- state readers -----------------------------------------------------------------

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 MAX_STOP_TOKEN_IDS = 1024
 _INT_FIELDS = frozenset({"top_k", "seed", "logprobs", "prompt_logprobs",
                          "grammar_replay_tokens"})
-_STR_FIELDS = frozenset({"grammar"})  # mlxcel_plugin/structured_output.py
+_STR_FIELDS = frozenset({"grammar", "speculative"})  # structured_output.py, speculative/
 
 
 def sampling_params(data: Mapping[str, Any]) -> SamplingParams:

@@ -17,6 +17,7 @@ from typing import Any
 from mlxcel_plugin.engine_api import SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
+from mlxcel_plugin.speculative.settings import METHODS as SPECULATIVE_METHODS
 from mlxcel_plugin.structured_output import parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -200,6 +201,15 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise _bad("suffix", "suffix is not supported")
 
 
+def _speculative(body: dict[str, Any]) -> str | None:
+    """Extra field ``speculative``: "ngram" or "off" (docs/speculative.md); None: the node's."""
+    value = _optional_str(body, "speculative")
+    if value is not None and value not in SPECULATIVE_METHODS:
+        raise _bad("speculative", f"must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                   f"got {_show(value)}")
+    return value
+
+
 def _common(body: dict[str, Any], logprobs: int | None, *, echo: bool = False) -> CommonParams:
     """Shared fields; ``logprobs`` (and, with ``echo``, the prompt's) ride on the sampling."""
     _reject_unsupported(body)
@@ -207,7 +217,8 @@ def _common(body: dict[str, Any], logprobs: int | None, *, echo: bool = False) -
     _optional_str(body, "user")  # unused, but OpenAI refuses a non-string
     sampling = replace(_sampling(body), logprobs=logprobs,
                        prompt_logprobs=logprobs if echo else None,
-                       grammar=parse_response_format(body.get("response_format")))
+                       grammar=parse_response_format(body.get("response_format")),
+                       speculative=_speculative(body))
     return CommonParams(
         model=_optional_str(body, "model"),
         max_tokens=_max_tokens(body, minimum=0 if echo else 1),  # echo: the prompt alone

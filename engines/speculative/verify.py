@@ -1,0 +1,96 @@
+"""The verify forward of a decode step, and dropping the K/V of rejected proposals.
+
+Each sequence feeds its newest token and its proposals as one row block; a group's
+sequences are padded to the group's widest block (pad rows are never read: their
+K/V goes with the rejected). Groups are those of ``engines/decode_batch.py``: a
+lone sequence's own ``KVCache`` list (trimmed from the right), or left-padded
+``BatchKVCache`` layers, where sequences keep different numbers of rows: the
+shared surplus is trimmed and each sequence's own is rolled into its left padding
+(as mlx-lm's ``BatchKVCache.finalize`` does for right-padded prompts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
+
+PAD_TOKEN = 0
+
+
+def supports_speculation(model: nn.Module) -> bool:
+    """Whether every layer's cache can drop rejected rows (plain K/V caches only)."""
+    return all(type(cache) is KVCache for cache in make_prompt_cache(model))
+
+
+def row_blocks(last_tokens: Sequence[int], proposals: Sequence[list[int]]) -> mx.array:
+    """``[B, W]`` inputs: each sequence's newest token and proposals, right-padded."""
+    width = 1 + max(len(p) for p in proposals)
+    rows = [[last, *p] + [PAD_TOKEN] * (width - 1 - len(p))
+            for last, p in zip(last_tokens, proposals, strict=True)]
+    return mx.array(rows, dtype=mx.uint32)
+
+
+def verify_rows(model: nn.Module, head: Callable | None, groups: list[Any],
+                proposals: list[list[int]]) -> tuple[list[np.ndarray], list[int]]:
+    """One forward for every group: per sequence (batch order) float32 logits ``[1 + k, V]``,
+    and each group's width (rows fed per sequence)."""
+    outputs, blocks, start = [], [], 0
+    for group in groups:
+        mine = proposals[start : start + len(group.sequences)]
+        start += len(group.sequences)
+        inputs = row_blocks([s.last_token for s in group.sequences], mine)
+        out = model(inputs, cache=group.caches) if head is None else model.model(
+            inputs, cache=group.caches)
+        outputs.append(out.reshape(-1, out.shape[-1]))
+        blocks.append((inputs.shape[1], mine))
+    flat = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+    logits = (flat if head is None else head(flat)).astype(mx.float32)
+    mx.eval(logits)
+    table, rows, offset = np.array(logits), [], 0
+    for width, mine in blocks:
+        for j, proposal in enumerate(mine):
+            rows.append(table[offset + j * width : offset + j * width + 1 + len(proposal)])
+        offset += width * len(mine)
+    return rows, [width for width, _ in blocks]
+
+
+def settle_groups(groups: list[Any], widths: list[int], kept: list[int]) -> None:
+    """After a verify forward of ``widths[g]`` rows per group: sequence i keeps ``kept[i]``."""
+    start = 0
+    for group, width in zip(groups, widths, strict=True):
+        mine = kept[start : start + len(group.sequences)]
+        start += len(group.sequences)
+        surplus = [width - n for n in mine]
+        if group.batched:
+            _drop_batched(group.caches, surplus)
+        elif surplus[0]:
+            for cache in group.caches:
+                cache.trim(surplus[0])
+        group.lengths = [n + k for n, k in zip(group.lengths, mine, strict=True)]
+
+
+def _drop_batched(caches: list[Any], surplus: list[int]) -> None:
+    """Drop each sequence's last ``surplus[i]`` rows from left-padded batch caches."""
+    shared = min(surplus)
+    own = [n - shared for n in surplus]
+    for cache in caches:
+        if shared:
+            cache.trim(shared)
+        if any(own):
+            _roll_into_padding(cache, own)
+
+
+def _roll_into_padding(cache: Any, own: list[int]) -> None:
+    """Rotate each row's last ``own[i]`` positions to its front, where padding is masked."""
+    shifts = mx.array(own)
+    end = cache._idx  # mlx-lm keeps the filled length here
+    for name in ("keys", "values"):
+        buffer = getattr(cache, name)
+        buffer[..., :end, :] = dynamic_roll(buffer[..., :end, :], shifts[:, None], axis=2)
+    cache.left_padding = cache.left_padding + shifts
+    cache.offset = cache.offset - shifts

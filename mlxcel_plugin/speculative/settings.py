@@ -1,0 +1,49 @@
+"""``[speculative]``: the settings of speculative decoding (docs/speculative.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHOD_OFF = "off"
+METHOD_NGRAM = "ngram"
+METHODS = (METHOD_OFF, METHOD_NGRAM)  # per request too: the ``speculative`` body field
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``[speculative]`` (hybrid, decode): proposals verified in one forward."""
+
+    # "off" | "ngram" (prompt lookup: proposals copied from the sequence's own context).
+    # A request's ``speculative`` body field overrides it.
+    method: str = METHOD_OFF
+    # Most tokens proposed per sequence and step.
+    num_speculative_tokens: int = 4
+    # N-gram sizes tried, longest first, for a match of the context's last tokens.
+    ngram_max: int = 4
+    ngram_min: int = 1
+    # Cost of one more verified row, as a fraction of a plain decode step; the adaptive
+    # rule weighs it against the acceptance rate. A setting, not a live timing, so every
+    # node makes the same choices (loadtests/bench_speculative.py measures it).
+    verify_row_cost: float = 0.1
+    # Per sequence, turn speculation down (fewer tokens) or off when it would be slower.
+    adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class MethodCounts:
+    """Running totals of one method."""
+
+    proposed: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of those, tokens the target model picked too
+    verify_steps: int = 0  # sequence-steps that verified at least one proposal
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    """Per method (``"ngram"``), since the engine started."""
+
+    methods: dict[str, MethodCounts] = field(default_factory=dict)
