@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engines import cache_layout, kv_convert
+from engines import cache_layout, kv_arrival, kv_convert
 from engines.decode_batch import Sequence
 from engines.engine_commands import (
     Cancel,
@@ -40,7 +40,7 @@ from engines.kv_quant import KVQuantizer
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, prepare_prefills
 from engines.prefix.cache import PrefixCache
-from engines.prefix.splice import check_handoff, handoff_caches
+from engines.prefix.splice import handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
 from engines.speculative.batch import SpeculativeBatch
 from engines.unfilled import SlabCarver
@@ -242,7 +242,7 @@ class MlxEngine:
         request, first = command.request, command.first_token
         prompt = request.prompt_tokens
         pin = self._prefix.take_pin(request.request_id)  # a delta handoff's prefix
-        check_handoff(command.cache, self.info.fingerprint, len(prompt), pin)
+        cache = kv_arrival.checked(command.cache, self.info.fingerprint, len(prompt), pin)
         sampler = request_sampler(request, self.info, (first,))  # a grammar replays ``first``
         sequence = Sequence(request, command.emit, sampler, first, 1, [first])
         # The first token was emitted by the prefill node; it may already end the request.
@@ -250,7 +250,7 @@ class MlxEngine:
         if reason is not None:
             deliver(command.emit, TokenEvent(request.request_id, 1, None, reason))
             return
-        caches = handoff_caches(command.cache, pin, self._nesting)
+        caches = self._kv_quant.caches(handoff_caches(cache, pin, self._nesting))
         # A prefill node computed these chunks: the next turn may prefill here (local).
         self._prefix.store_received(prompt, caches)
         self._fit_prefix_cache()

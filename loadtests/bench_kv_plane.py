@@ -19,11 +19,13 @@ and used as the link's rate.
 For each link and size, in one run: raw TCP, bare AES-256-GCM TCP
 (``loadtests/tcp_baselines.py``: the product's record size and lane count, read
 from its ``LinkConfig``), then the product per ``--configs``. Columns: GiB/s
-(raw KV bytes / time: the baselines' sender from first byte to ack, the product's
-``mlxcel:handoff_time_seconds``, end of prefill to ack), x link, x bare AES-GCM,
-CPU-s per GiB of raw KV on each side (baselines: their own rusage; nodes:
-``/proc/PID/stat`` sampled every 5 ms, the prefill node over the handoff window,
-the decode node from the end of prefill to its first token). ITL: ``--itl-streams``
+(raw KV bytes / time: the baselines' sender from first byte to ack; Full from the
+end of prefill to the decode node's ack, ``mlxcel:handoff_time_seconds``; a
+streaming strategy from the submit, since its rows leave while prefill fills),
+x link, x bare AES-GCM, CPU-s per GiB of raw KV on each side over that window
+(baselines: their own rusage; nodes: ``/proc/PID/stat`` sampled every 5 ms; the
+decode node's on to its first token), and the time from the ack to the decode
+node's first token (adoption into MLX and that token's step). ITL: ``--itl-streams``
 streams decode on the decode node (short prompts, restarted as they end) while
 ``--itl-handoffs`` handoffs of ``--itl-tokens`` arrive (full, none), against quiet
 windows of the same streams in between; gaps ending inside each window count
@@ -103,7 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--itl-tokens", default="8k", help="each ingested handoff's tokens")
     parser.add_argument("--itl-streams", type=int, default=8)
     parser.add_argument("--itl-handoffs", type=int, default=2)
-    parser.add_argument("--quiet-s", type=float, default=3.0, help="each quiet ITL window")
+    parser.add_argument("--quiet-s", type=float, default=3.0,
+                        help="each quiet ITL window, at least (else as long as the last ingest)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--shape", default="32,8,128", help="layers,kv_heads,head_dim (bf16)")
     args = parser.parse_args()

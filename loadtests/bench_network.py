@@ -40,16 +40,14 @@ import asyncio
 import json
 import os
 import random
-import resource
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +59,12 @@ from bench_common import (
     table,
     write_json,
 )
+from harness import GIB, CpuSampler, process_cpu_s
 
 from mlxcel_plugin.testing.link_driver import LinkDriver
 from mlxcel_plugin.testing.netns import NetnsTopology, unavailable_reason
 from mlxcel_plugin.testing.netns_nodes import NetnsNode, NetnsNodes
 
-GIB = 1 << 30
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 RAW_PORT = 7000
 WARMUP_TOKENS = 512  # measures the link for the selector and warms the engines
 TIMEOUT_S = 600.0
@@ -119,11 +116,6 @@ def raw_send(host: str, port: int, size: int) -> None:
                           "cpu_s": process_cpu_s() - cpu}), flush=True)
 
 
-def process_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def raw_transfer(net: NetnsTopology, size: int) -> dict[str, float]:
     """Raw TCP of ``size`` bytes from the prefill host to the decode host."""
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -141,48 +133,6 @@ def raw_transfer(net: NetnsTopology, size: int) -> dict[str, float]:
     send = json.loads(sent.stdout)
     return {"seconds": send["seconds"], "send_cpu_s": send["cpu_s"],
             "recv_cpu_s": received["cpu_s"]}
-
-
-# ---------------------------------------------------------------- CPU sampling
-
-
-@dataclass
-class CpuSampler:
-    """CPU seconds of some processes, every ``period_s``, with timestamps (perf_counter)."""
-
-    pids: list[int]
-    period_s: float = 0.005
-    samples: list[tuple[float, list[float]]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> CpuSampler:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), [proc_cpu_s(pid) for pid in self.pids]))
-            self._stop.wait(self.period_s)
-
-    def between(self, start_s: float, end_s: float) -> list[float]:
-        """CPU seconds of each process from ``start_s`` to ``end_s`` (nearest samples)."""
-        def at(when: float) -> list[float]:
-            return min(self.samples, key=lambda sample: abs(sample[0] - when))[1]
-
-        return [b - a for a, b in zip(at(start_s), at(end_s), strict=True)]
-
-
-def proc_cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
 
 
 # ---------------------------------------------------------------- requests

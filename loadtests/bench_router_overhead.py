@@ -48,6 +48,7 @@ from bench_common import (  # noqa: E402
     table,
     write_json,
 )
+from harness import proc_cpu_s  # noqa: E402
 from sse_relay_client import relay_run  # noqa: E402
 
 from mlxcel_plugin.local_cluster import free_port, pin_process  # noqa: E402
@@ -214,20 +215,13 @@ def ttft_ms(url: str, n: int, max_tokens: int) -> list[float]:
     return [r.ttft_s * 1000 for r in results]
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def relay_figures(url: str, server_pid: int, deltas: int,
                   args: argparse.Namespace) -> dict[str, float]:
     """Tokens/s through the lean client, and the server's CPU time per relayed token."""
-    cpu_before = process_cpu_s(server_pid)
+    cpu_before = proc_cpu_s(server_pid)
     run = relay_run(url, body(args.stream_tokens), concurrency=args.concurrency,
                     requests=args.stream_requests)
-    cpu_s = process_cpu_s(server_pid) - cpu_before
+    cpu_s = proc_cpu_s(server_pid) - cpu_before
     if run.responses != args.stream_requests or run.tokens != run.responses * deltas:
         raise RuntimeError(f"{url}: {run.responses} streams, {run.tokens} content deltas; "
                            f"expected {args.stream_requests} x {deltas}")

@@ -120,6 +120,7 @@ async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> 
         row["chosen"] = f"{done[-1].choice['strategy']}/{done[-1].choice['codec']}"
         row["tt2t_s"] = statistics.median(h.tt2t_s for h in done)
         row["prefill_s"] = statistics.median(h.prefill_s for h in done)
+        row["after_ack_s"] = statistics.median(h.after_ack_s for h in done)
         row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
         print({k: v for k, v in row.items()}, flush=True)
         rows.append(row)

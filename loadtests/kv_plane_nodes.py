@@ -133,6 +133,7 @@ class Handoff:
     prefill_s: float  # submit to the prefill node's token
     transfer_s: float
     tt2t_s: float  # submit to the decode node's first token
+    after_ack_s: float  # the decode node's ack to its first token (adoption, first step)
     cpu_s: list[float]  # prefill node, decode node
     choice: dict[str, Any] = field(default_factory=dict)
 
@@ -167,7 +168,7 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
     begin = prefilled if choice.get("strategy") == "full" else start
     cpu = [sampler.between(begin, acked)[0], sampler.between(begin, max(decoded, acked))[1]]
     return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
-                   acked - begin, decoded - start, cpu, choice)
+                   acked - begin, decoded - start, decoded - acked, cpu, choice)
 
 
 async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,
@@ -224,6 +225,14 @@ class StreamPool:
         return found
 
 
+async def quiet_window(quiet: list[tuple[float, float]], ingest: list[tuple[float, float]],
+                       least_s: float) -> None:
+    """A window without handoffs, as long as the last ingest window (as many gaps to rank)."""
+    start = time.perf_counter()
+    await asyncio.sleep(max([least_s, *(b - a for a, b in ingest[-1:])]))
+    quiet.append((start, time.perf_counter()))
+
+
 async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, handoffs_n: int,
                     quiet_s: float, rng: random.Random) -> dict[str, Any]:
     """Streams decode; quiet windows alternate with ``handoffs_n`` handoffs of ``tokens``."""
@@ -233,9 +242,7 @@ async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, hand
         await asyncio.sleep(2.0)  # every stream joined the batch
         quiet, ingest = [], []
         for k in range(handoffs_n):
-            start = time.perf_counter()
-            await asyncio.sleep(quiet_s)
-            quiet.append((start, time.perf_counter()))
+            await quiet_window(quiet, ingest, quiet_s)
             outcome = await driver.generate(f"ingest-{k}-{rng.random():.6f}",
                                             prompt(tokens, rng), 2, timeout_s=TIMEOUT_S)
             if not outcome.ok or len(outcome.token_times_s) < 2:
@@ -243,9 +250,7 @@ async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, hand
             # From the end of prefill to just before the decode step that takes it in.
             first, second = outcome.token_times_s[:2]
             ingest.append((first, second - 0.002))
-        start = time.perf_counter()
-        await asyncio.sleep(quiet_s)
-        quiet.append((start, time.perf_counter()))
+        await quiet_window(quiet, ingest, quiet_s)
         pool.stop()
         await asyncio.wait(tasks, timeout=TIMEOUT_S)
     return {"quiet": pool.gaps_in(quiet), "ingest": pool.gaps_in(ingest),

@@ -42,7 +42,8 @@ from mlxcel_plugin.engine_api import (
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
 from mlxcel_plugin.kv_codecs import KVCodec
-from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, PrefixMissing, make_ack
+from mlxcel_plugin.kv_serde import HandoffHeader, PrefixMissing, make_ack
+from mlxcel_plugin.kv_serde.convert import receiving_forms
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
     Cancel,
@@ -110,12 +111,12 @@ class DecodeNode:
     def __init__(self, parts: DecodeNodeParts, node_id: str):
         self.parts, self.engine, self.node_id = parts, parts.engine, node_id
         self.scheduler = DecodeScheduler(parts.scheduler_config)
-        self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
+        self.fingerprint, plain = receiving_forms(self.engine.info.fingerprint)  # convert.py
         self.receiver = HandoffReceiver(self.fingerprint, parts.codecs, self._admit_begin,
                                         adopt=layer_adopter(self.engine),
                                         make_buffers=kv_buffer_maker(self.engine),
                                         kv_budget_bytes=parts.kv_budget_bytes,
-                                        model_bytes=parts.model_bytes)
+                                        model_bytes=parts.model_bytes, plain=plain)
         self.claims: dict[str, _Claim] = {}
         self.local: dict[str, tuple[_Claim, GenerationRequest]] = {}  # waiting for admission
         self.ready: dict[str, _Ready] = {}

@@ -39,6 +39,7 @@ from mlxcel_plugin.kv_serde import (
     ReceiveMemory,
     SerializableCacheState,
 )
+from mlxcel_plugin.kv_serde.convert import Arrival
 from mlxcel_plugin.kv_serde.pool import BufferPool, give_back_to_os, pool_bytes_for
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType
@@ -91,8 +92,10 @@ class HandoffReceiver:
                  limits: AssemblerLimits | None = None, pool: BufferPool | None = None,
                  adopt: LayerAdopter | None = None, make_buffers: KVBufferMaker | None = None,
                  *, kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, model_bytes: int = 0,
-                 idle_release_s: float = IDLE_RELEASE_S):
+                 idle_release_s: float = IDLE_RELEASE_S, plain: ModelFingerprint | None = None):
         self.local, self.codecs, self.admit = local, codecs, admit
+        # What converts on arrival (another dtype; plain K/V a kv_bits engine quantizes).
+        self.arrival = Arrival(local, plain)
         self.limits = limits or AssemblerLimits()
         pool = pool or BufferPool(pool_bytes_for(kv_budget_bytes, model_bytes))
         self.memory = ReceiveMemory(pool, make_buffers)
@@ -165,11 +168,11 @@ class HandoffReceiver:
             (begin,) = frame_to_messages(frame)
             header = HandoffHeader.from_message(begin, self.limits.max_prompt_tokens)
             header.fingerprint.check_supported()
-            header.fingerprint.check_matches(self.local)
+            held = self.arrival.fingerprint_for(header.fingerprint)  # raises a mismatch
             self.admit(header)
         except (HandoffError, AtCapacityError) as exc:
             return Refused(request_id, handoff_id, epoch, link, exc, admitted=False)
-        assembler = KVAssembler(self.local, self.codecs, self.limits,
+        assembler = KVAssembler(held, self.codecs, self.limits,
                                 expected_request_id=header.request_id, memory=self.memory,
                                 adopt=self.adopt)
         ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
