@@ -106,6 +106,8 @@ SECTIONS = (
     Section("engine", "mlxcel_plugin.engine_api:EngineConfig", "hybrid, prefill, decode"),
     Section("prefix_cache", "mlxcel_plugin.engine_api:PrefixCacheConfig",
             "hybrid, prefill, decode (`local_prefill_tokens`: router)"),
+    Section("speculative", "mlxcel_plugin.speculative.settings:SpeculativeConfig",
+            "hybrid, decode"),
     Section("prefill_scheduler", "mlxcel_plugin.scheduling:PrefillSchedulerConfig", "prefill"),
     Section("decode_scheduler", "mlxcel_plugin.scheduling:DecodeSchedulerConfig", "decode"),
     Section("transfer", "mlxcel_plugin.transfer:TransferConfig", "prefill, decode"),

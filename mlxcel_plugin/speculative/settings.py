@@ -20,6 +20,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     # N-gram sizes tried, longest first, for a match of the context's last tokens.
     ngram_max: int = 4
+    # Shortest n-gram tried (1: one repeated token is enough to propose).
     ngram_min: int = 1
     # Cost of one more verified row, as a fraction of a plain decode step; the adaptive
     # rule weighs it against the acceptance rate. A setting, not a live timing, so every
