@@ -12,7 +12,8 @@ Only plain ``KVCache`` layers are quantized (mlx-lm cannot quantize rotating
 windows or SSM state either); a ``CacheList``'s ``KVCache`` members are. A
 prefill node ships the packed words, scales and biases as they are
 (docs/architectures.md), and the fingerprint describes the quantized layers,
-so a decode node must run with the same ``kv_bits`` and ``kv_group_size``.
+so a decode node must run with the same ``kv_bits`` and ``kv_group_size``, or take
+a plain sender's K/V and quantize them on arrival (``engines/kv_arrival.py``).
 
 Batched decode: mlx-lm's ``QuantizedKVCache`` has no batch form (no
 ``merge``), so a quantized sequence decodes in a group of its own
@@ -34,10 +35,12 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_promp
 from engines import cache_layout
 from mlxcel_plugin.engine_api import EngineConfig, ModelInfo
 from mlxcel_plugin.errors import ConfigError, HandoffError
+from mlxcel_plugin.kv_serde.convert import UNQUANTIZED
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec
 
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+PLAIN_KEYS = ("kv_heads", "head_dim", "cache_classes", "layers")
 
 
 class KVQuantizer:
@@ -83,8 +86,10 @@ class KVQuantizer:
         mx.eval(model(mx.array([cache_layout.PROBE_TOKENS], dtype=mx.uint32), cache=caches))
         specs = [_describe(leaf) for leaf in cache_layout.leaves(self.caches(caches))]
         uniform = all(spec.names == ("k", "v") for spec in specs)
+        # The plain layers too: a plain sender's K/V are quantized here on arrival (convert.py).
+        plain = {key: info.fingerprint.get(key) for key in PLAIN_KEYS}
         fingerprint = {**info.fingerprint, "cache_classes": [spec.kind for spec in specs],
-                       "layers": [spec.to_dict() for spec in specs]}
+                       "layers": [spec.to_dict() for spec in specs], UNQUANTIZED: plain}
         if not uniform:  # kv_heads/head_dim describe plain K/V only (older peers read them)
             fingerprint |= {"kv_heads": 0, "head_dim": 0}
         return dataclasses.replace(info, fingerprint=fingerprint)

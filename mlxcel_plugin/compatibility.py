@@ -6,8 +6,10 @@ head_dim, dtype, cache kinds, ``kv_bits``/group size, weights digest, and a
 digest of the whole per-layer description), plus digests of its tokenizer and
 chat template. The router and the prefill nodes read it before any request:
 ``kv_refusal`` says why a decode node cannot take a prefill node's KV (None:
-it can), ``text_refusal`` why a node's tokenizer or template differs from the
-router's. Unknown (an older peer's silence) never refuses.
+it can), ``kv_conversion`` what is converted on the way (another dtype; plain
+K/V a ``kv_bits`` receiver quantizes: kv_serde/convert.py), ``text_refusal``
+why a node's tokenizer or template differs from the router's. Unknown (an
+older peer's silence) never refuses.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.tx
                    "special_tokens_map.json", "added_tokens.json")
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 TOKENIZER_CONFIG = "tokenizer_config.json"
+UNQUANTIZED = "unquantized"  # a kv_bits engine's plain layers (kv_serde/convert.py)
 
 
 def _digest(data: bytes) -> str:
@@ -53,6 +56,8 @@ class KVProfile:
     kv_group_size: int = 0
     weights: str = ""  # the fingerprint's model digest, when the engine sets one
     layout: str = ""  # digest of the whole per-layer description
+    # Digest of the plain per-layer description without dtypes: what a conversion keeps.
+    base: str = ""
 
     @classmethod
     def from_fingerprint(cls, fingerprint: Mapping[str, Any], kv_bits: int = 0,
@@ -63,7 +68,7 @@ class KVProfile:
                    int(fingerprint.get("kv_heads", 0)), int(fingerprint.get("head_dim", 0)),
                    str(fingerprint.get("dtype", "")), kinds, kv_bits,
                    kv_group_size if kv_bits else 0, str(fingerprint.get("model_digest", "")),
-                   _digest(_canonical(dict(fingerprint))))
+                   _digest(_canonical(dict(fingerprint))), _base_digest(fingerprint))
 
     def to_announce(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -77,7 +82,7 @@ class KVProfile:
                        int(data["head_dim"]), str(data["dtype"]),
                        tuple(str(k) for k in data["kinds"]), int(data.get("kv_bits", 0)),
                        int(data.get("kv_group_size", 0)), str(data.get("weights", "")),
-                       str(data.get("layout", "")))
+                       str(data.get("layout", "")), str(data.get("base", "")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -89,31 +94,79 @@ class KVProfile:
                f"{'+'.join(self.kinds)}{bits}"
 
 
+def _base_digest(fingerprint: Mapping[str, Any]) -> str:
+    """The plain layers (a kv_bits engine's unquantized ones) with every dtype left out."""
+    plain = fingerprint.get(UNQUANTIZED)
+    layers = (plain if isinstance(plain, Mapping) else fingerprint).get("layers")
+    if not isinstance(layers, list | tuple):
+        return ""
+    try:
+        shapes = [{"kind": layer["kind"],
+                   "arrays": [{k: v for k, v in a.items() if k != "dtype"}
+                              for a in layer["arrays"]]}
+                  for layer in layers]
+    except (KeyError, TypeError, AttributeError):
+        return ""
+    return _digest(_canonical([fingerprint.get("architecture", ""), shapes]))
+
+
 # Checked in this order, so a refusal names the most telling difference.
-_KV_CHECKS = (
-    ("layers", "layer_count_mismatch"),
+_SAME_FORM_CHECKS = (
     ("kv_heads", "kv_heads_mismatch"),
     ("head_dim", "head_dim_mismatch"),
-    ("kv_bits", "kv_bits_mismatch"),
-    ("kv_group_size", "kv_bits_mismatch"),
     ("kinds", "cache_kind_mismatch"),
-    ("architecture", "architecture_mismatch"),
-    ("dtype", "dtype_mismatch"),
 )
 
 
+def _quantizes_on_arrival(sender: KVProfile, receiver: KVProfile) -> bool:
+    return sender.kv_bits == 0 and receiver.kv_bits != 0
+
+
 def kv_refusal(sender: KVProfile | None, receiver: KVProfile | None) -> str | None:
-    """Why ``receiver`` cannot take ``sender``'s KV; None when it can (or either is unknown)."""
+    """Why ``receiver`` cannot take ``sender``'s KV; None when it can (or either is unknown).
+
+    Converts: another float dtype, and plain K/V to a ``kv_bits`` receiver (it
+    quantizes on arrival). Never: layer count, heads, head_dim, cache kinds, other
+    ``kv_bits``, packed (quantized) K/V in another dtype, other weights.
+    """
     if sender is None or receiver is None:
         return None
-    for name, reason in _KV_CHECKS:
-        if getattr(sender, name) != getattr(receiver, name):
-            return reason
+    if sender.layers != receiver.layers:
+        return "layer_count_mismatch"
+    quantizes = _quantizes_on_arrival(sender, receiver)
+    if not quantizes and (sender.kv_bits, sender.kv_group_size) != (
+            receiver.kv_bits, receiver.kv_group_size):
+        return "kv_bits_mismatch"
+    if sender.architecture != receiver.architecture:
+        return "architecture_mismatch"
+    casts = sender.dtype != receiver.dtype
+    if casts and sender.kv_bits:
+        return "dtype_mismatch"  # packed words, scales and biases are not re-cast
     if sender.weights and receiver.weights and sender.weights != receiver.weights:
         return "weights_mismatch"
-    if sender.layout and receiver.layout and sender.layout != receiver.layout:
-        return "kv_layout_mismatch"
-    return None
+    if not quantizes:
+        for name, reason in _SAME_FORM_CHECKS:
+            if getattr(sender, name) != getattr(receiver, name):
+                return reason
+    if not (quantizes or casts):
+        return "kv_layout_mismatch" if _differs(sender.layout, receiver.layout) else None
+    if not (sender.base and receiver.base):  # an older announce: the forms cannot be compared
+        return "kv_bits_mismatch" if quantizes else "dtype_mismatch"
+    return "kv_layout_mismatch" if sender.base != receiver.base else None
+
+
+def _differs(ours: str, theirs: str) -> bool:
+    return bool(ours and theirs and ours != theirs)
+
+
+def kv_conversion(sender: KVProfile | None, receiver: KVProfile | None) -> str:
+    """What converts when ``receiver`` takes ``sender``'s KV ("" when nothing does)."""
+    if sender is None or receiver is None or kv_refusal(sender, receiver) is not None:
+        return ""
+    steps = [f"{sender.dtype}->{receiver.dtype}"] if sender.dtype != receiver.dtype else []
+    if _quantizes_on_arrival(sender, receiver):
+        steps.append(f"quantize kv_bits={receiver.kv_bits}/{receiver.kv_group_size}")
+    return "+".join(steps)
 
 
 @dataclass(frozen=True)

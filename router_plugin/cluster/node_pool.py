@@ -286,6 +286,7 @@ class NodePool:
             "pairs": self.pairing.partners(node.node_id, others),
             "refused": [{"with": r.partner, "reason": r.reason}
                         for r in self.pairing.refusals_of(node.node_id)],
+            "converts": self.pairing.conversions_of(node.node_id, others),  # e.g. a dtype cast
         }
 
     def _node_stats(self, node: _Node, now: float, verbose: bool) -> dict[str, Any]:

@@ -4,8 +4,9 @@ Pure bookkeeping, fed by the links (each node's announced ``NodeProfile``) and
 by refused handoffs (a pair cools down), read by selection. A node is refused
 by the router when its tokenizer or chat template differs from the router's; a
 pair (prefill, decode) is refused when the decode node cannot take the prefill
-node's KV (``compatibility.kv_refusal``); a pair whose handoff was refused at
-run time cools down with backoff. Each refusal is counted once, by reason.
+node's KV (``compatibility.kv_refusal``); a pair whose KV converts on the way
+(another dtype; plain K/V to a ``kv_bits`` decode node) is formed and says how
+(``conversions_of``); a pair whose handoff was refused at run time cools down with backoff. Each refusal is counted once, by reason.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mlxcel_plugin.compatibility import NodeProfile, kv_refusal, text_refusal
+from mlxcel_plugin.compatibility import NodeProfile, kv_conversion, kv_refusal, text_refusal
 
 ROUTER = "router"  # the partner named in a node-level refusal
 DEFAULT_COOLDOWN_S = 1.0
@@ -102,6 +103,17 @@ class PairingTable:
         if self.roles.get(node_id) == "decode":
             return [o for o in others if self.pair_refusal(o, node_id) is None]
         return [o for o in others if self.pair_refusal(node_id, o) is None]
+
+    def conversions_of(self, node_id: str, others: Iterable[str]) -> list[dict[str, str]]:
+        """Of its pairs with ``others``, those whose KV converts on the way, and how."""
+        found = []
+        for other in self.partners(node_id, others):
+            pair = (other, node_id) if self.roles.get(node_id) == "decode" else (node_id, other)
+            sender, receiver = (self.profiles.get(i) for i in pair)
+            how = kv_conversion(sender and sender.kv, receiver and receiver.kv)
+            if how:
+                found.append({"with": other, "converts": how})
+        return found
 
     # ------------------------------------------------------------ cooldowns
 

@@ -110,6 +110,7 @@ def test_stats_redact_addresses_and_errors_unless_verbose():
         "kv": None,  # it announced no profile: it pairs with every decode node
         "pairs": ["decode-0"],
         "refused": [],
+        "converts": [],
     }
     assert stats["prefill"][1]["health_age_s"] is None
     assert stats["decode"][0]["telemetry"] == {

@@ -9,6 +9,7 @@ from mlxcel_plugin.compatibility import (
     KVProfile,
     NodeProfile,
     chat_template_digest,
+    kv_conversion,
     kv_refusal,
     text_refusal,
     tokenizer_digest,
@@ -20,6 +21,25 @@ FINGERPRINT = {"architecture": "fake", "num_layers": 4, "kv_heads": 2, "head_dim
                "dtype": "float32", "cache_classes": ["KVCache"] * 4}
 KV = KVProfile.from_fingerprint(FINGERPRINT)
 TEXT = NodeProfile(None, "tok", "tpl")
+
+
+def described(dtype: str = "float32", heads: int = 2, **changes) -> dict:
+    """A fingerprint with its layers described, as engines announce them."""
+    array = {"shape": [1, heads, 0, 8], "dtype": dtype, "grow_axis": 2, "coded": True}
+    layers = [{"kind": "KVCache", "arrays": [{**array, "name": n} for n in "kv"]}] * 4
+    return {**FINGERPRINT, "dtype": dtype, "kv_heads": heads, "layers": layers, **changes}
+
+
+def quantizing(dtype: str = "float32") -> dict:
+    """A kv_bits engine's fingerprint: quantized layers, its plain ones kept beside them."""
+    plain = described(dtype)
+    quant = [{"kind": "QuantizedKVCache", "arrays": [
+        {"name": f"{t}{p}", "shape": [1, 2, 0, w], "dtype": d, "grow_axis": 2}
+        for t in "kv" for p, w, d in (("", 2, "uint32"), (".scales", 1, dtype),
+                                       (".biases", 1, dtype))]}] * 4
+    return {**plain, "kv_heads": 0, "head_dim": 0, "cache_classes": ["QuantizedKVCache"] * 4,
+            "layers": quant, "unquantized": {key: plain[key] for key in (
+                "kv_heads", "head_dim", "cache_classes", "layers")}}
 
 
 def node(kv: KVProfile = KV, tokenizer: str = "tok", template: str = "tpl") -> NodeProfile:
@@ -38,6 +58,29 @@ def test_kv_refusal_names_the_most_telling_difference() -> None:
         == "cache_kind_mismatch"
     assert kv_refusal(KV, dataclasses.replace(KV, layout="other")) == "kv_layout_mismatch"
     assert kv_refusal(None, KV) is None and kv_refusal(KV, None) is None  # unknown: no refusal
+
+
+def test_dtype_and_plain_to_kv_bits_convert_and_the_rest_stays_refused() -> None:
+    f32, f16 = KVProfile.from_fingerprint(described()), KVProfile.from_fingerprint(
+        described("float16"))
+    assert kv_refusal(f32, f16) is None and kv_conversion(f32, f16) == "float32->float16"
+    assert kv_refusal(f16, f32) is None and kv_conversion(f16, f32) == "float16->float32"
+    assert kv_conversion(f32, f32) == ""
+    quant8 = KVProfile.from_fingerprint(quantizing("float16"), 8, 32)
+    assert kv_refusal(f32, quant8) is None
+    assert kv_conversion(f32, quant8) == "float32->float16+quantize kv_bits=8/32"
+    assert kv_refusal(quant8, f16) == "kv_bits_mismatch"  # packed K/V are not dequantized
+    quant4 = KVProfile.from_fingerprint(quantizing("float16"), 4, 32)
+    assert kv_refusal(quant4, quant8) == "kv_bits_mismatch"
+    quant8_f32 = KVProfile.from_fingerprint(quantizing("float32"), 8, 32)
+    assert kv_refusal(quant8_f32, quant8) == "dtype_mismatch"  # packed K/V are not re-cast
+    other_heads = KVProfile.from_fingerprint(described("float16", heads=4))
+    assert kv_refusal(f32, other_heads) == "kv_heads_mismatch"
+    assert kv_conversion(f32, other_heads) == ""
+    # Another layout hidden behind equal summaries: the dtype-free digests differ.
+    assert kv_refusal(f32, dataclasses.replace(f16, base="other")) == "kv_layout_mismatch"
+    # An older announce (no base): another dtype cannot be judged convertible.
+    assert kv_refusal(KV, dataclasses.replace(KV, dtype="float16")) == "dtype_mismatch"
 
 
 def test_a_profile_survives_the_announcement() -> None:
@@ -112,6 +155,20 @@ def test_the_pool_never_offers_an_incompatible_pair() -> None:
     assert entry["pairs"] == [] and entry["kv"] == "fake 2L 2x8 float32 KVCache"
     assert entry["refused"] == [{"with": "prefill-0", "reason": "layer_count_mismatch"}]
     assert pool.stats(0.0)["prefill"][0]["pairs"] == ["decode-0"]
+
+
+def test_a_converting_pair_is_formed_and_shows_how() -> None:
+    pool = pool_with([KVProfile.from_fingerprint(described("float16")),
+                      KVProfile.from_fingerprint(quantizing(), 8, 32)])
+    pool.pairing.set_profile("prefill-0", "prefill", node(KVProfile.from_fingerprint(described())))
+    assert pool.unpaired_decodes(set(), now=0.0) == set()
+    decode_f16, decode_q8 = pool.stats(0.0)["decode"]
+    assert decode_f16["pairs"] == ["prefill-0"] and decode_f16["refused"] == []
+    assert decode_f16["converts"] == [{"with": "prefill-0", "converts": "float32->float16"}]
+    assert decode_q8["converts"] == [{"with": "prefill-0", "converts": "quantize kv_bits=8/32"}]
+    assert pool.stats(0.0)["prefill"][0]["converts"] == [
+        {"with": "decode-0", "converts": "float32->float16"},
+        {"with": "decode-1", "converts": "quantize kv_bits=8/32"}]
 
 
 def test_a_cooling_pair_is_skipped_only_while_another_pair_remains() -> None:
