@@ -136,3 +136,16 @@ def test_the_shipped_prefix_cache_example_loads_as_documented():
             prefix.granularity) == (1024**3, False, 256, "auto")
     assert (config.prefill_balancer, config.decode_balancer) == ("prefix-aware", "prefix-aware")
     assert config.section("router") == {"prefix_block_tokens": 128}
+
+
+def test_speculative_section(tmp_path):
+    assert build_config({}, env={}).engine_config.speculative.method == "off"  # off by default
+    toml = write_toml(tmp_path, '[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 6\n')
+    spec = build_config({"distributed_config": toml}, env={}).engine_config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_max) == ("ngram", 6, 4)
+    for text, named in [('method = "draft"', "method"), ("ngram_min = 5", "ngram_min"),
+                        ("num_speculative_tokens = 0", "num_speculative_tokens"),
+                        ("lookahead = 3", "lookahead")]:
+        toml = write_toml(tmp_path, f"[speculative]\n{text}\n")
+        with pytest.raises(ConfigError, match=named):
+            build_config({"distributed_config": toml}, env={})
