@@ -72,6 +72,9 @@ def baseline(ends: Endpoints, size: int, plane: KVPlaneDefaults, aes: bool) -> d
                                *common], capture_output=True, text=True, check=True,
                               timeout=BASELINE_TIMEOUT_S)
         received = json.loads(sink.stdout.readline())
+    except BaseException:  # Ctrl-C or a failed sender: the sink would wait on for it
+        sink.kill()
+        raise
     finally:
         try:
             sink.wait(timeout=BASELINE_TIMEOUT_S)
