@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import add_common_args, bench_result, format_table, write_json  # noqa: E402
-from harness import Placement, kv_plane_defaults, pin_all  # noqa: E402
+from harness import Placement, kv_plane_defaults, pin_all, source_revision  # noqa: E402
 from kv_plane_links import LINK_RATES, LinkRun, netns_links, run_loopback  # noqa: E402
 from kv_plane_nodes import CONFIGS  # noqa: E402
 from kv_plane_report import report  # noqa: E402
@@ -146,7 +146,9 @@ def main() -> None:
                   configs=args.configs.split(","), repeats=args.repeats, placement=placement,
                   plane=plane, itl=_itl_settings(args), rng=random.Random(0))
     links = args.links.split(",")
-    print(f"KV plane: shape {shape} ({per_token} B/token), sizes {sizes}, links {links}, "
+    revision = source_revision()
+    print(f"KV plane at {revision}: shape {shape} ({per_token} B/token), sizes {sizes}, "
+          f"links {links}, "
           f"{plane.lanes} lane(s) x {plane.record_bytes} B records ({plane.source}), "
           f"{placement.describe()}, workdir {workdir}", flush=True)
     results: list[dict[str, Any]] = []
@@ -158,7 +160,7 @@ def main() -> None:
         print("\n" + format_table(item))
     if args.json:
         write_json(Path(args.json), bench_result("kv_plane", result["tables"], result["series"])
-                   | {"run": result["run"]})
+                   | {"run": {**result["run"], "revision": revision}})
 
 
 def _itl_settings(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
 import threading
 import time
 from collections.abc import Collection
@@ -67,6 +68,24 @@ class CpuSampler:
             return min(self.samples, key=lambda sample: abs(sample[0] - when))[1]
 
         return [b - a for a, b in zip(at(start_s), at(end_s), strict=True)]
+
+
+# ---------------------------------------------------------------- what was measured
+
+
+def source_revision() -> str:
+    """The checkout's commit, and how many tracked files differ from it (others' edits)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, check=True,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=repo, check=True, capture_output=True, text=True,
+                                timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    changed = len(status.splitlines())
+    return f"{head} (+{changed} modified tracked files)" if changed else head
 
 
 # ---------------------------------------------------------------- cores
