@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from mlxcel_plugin.compatibility import KVProfile
 from mlxcel_plugin.engine_api import Engine, GenerationRequest, PrefillResult
 from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff
@@ -48,3 +49,4 @@ class PrefillNodeParts:
     codecs: Mapping[str, KVCodec]
     decode_peers: tuple[str, ...] = ()
     kv_budget_bytes: int = 4 * 1024**3
+    kv_profile: KVProfile | None = None  # what it announces (None: from the engine's fingerprint)

@@ -8,12 +8,13 @@ KV_ACK, retrying per ``max_handoff_retries`` → free the KV copy on ack,
 failure or ``transfer_timeout_s``. This node never generates past the first
 token. A router's ``decode_cached_tokens`` makes the handoff a delta (the rest of the
 prompt only); a decode node lacking that prefix gets it all at once (docs/cluster-flow.md).
+The target must be able to take this node's KV, as its link verdict announced
+(``decode_targets``); the K/V go in the narrower of the two dtypes (docs/compatibility.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -21,15 +22,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mlxcel_plugin.compatibility import KVProfile
 from mlxcel_plugin.engine_api import PrefillResult, prefill_rows
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
-from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
-from mlxcel_plugin.kv_serde.header import (
-    BODY_CHECKSUM_SERDE_VERSION,
-    CHECKSUM_OF_ENCODED,
-    CHECKSUM_OF_HELD,
-)
+from mlxcel_plugin.kv_serde import ModelFingerprint
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
     ErrorFrame,
@@ -40,22 +37,18 @@ from mlxcel_plugin.link.protocol.frames import (
     Telemetry,
 )
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
+from mlxcel_plugin.nodes.decode_targets import DecodeTargets
 from mlxcel_plugin.nodes.drain import NodeDrain
 from mlxcel_plugin.nodes.handoff_policy import FINAL_REFUSALS, delta_prefix_tokens, retries_in_full
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
+from mlxcel_plugin.nodes.handoff_start import HandoffStarter
 from mlxcel_plugin.nodes.metrics import PrefillMetrics, register_inference_extension
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.prefill_job import NodeJob, PrefillNodeParts
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler
-from mlxcel_plugin.transfer import (
-    AdaptiveSelector,
-    BandwidthEstimator,
-    TransferChoice,
-    make_strategy,
-    sends_rows_ahead,
-)
+from mlxcel_plugin.transfer import sends_rows_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -66,25 +59,25 @@ class PrefillNode:
     def __init__(self, parts: PrefillNodeParts, links: DecodeLinks, node_id: str,
                  env: Mapping[str, str] | None = None):
         self.parts, self.engine, self.node_id = parts, parts.engine, node_id
-        self.allowlist = DecodeAllowlist.from_env(os.environ if env is None else env)
         self.scheduler = PrefillScheduler(parts.scheduler_config)
         self.links = links
-        self.selector = AdaptiveSelector(parts.transfer_config, parts.strategies, parts.codecs)
-        self.bandwidth = BandwidthEstimator()
-        self.last_choice: dict[str, Any] | None = None
         self.fingerprint = ModelFingerprint.from_dict(self.engine.info.fingerprint)
+        own = parts.kv_profile or KVProfile.from_fingerprint(self.engine.info.fingerprint)
+        allowlist = DecodeAllowlist.from_env(os.environ if env is None else env)
+        self.targets = DecodeTargets(own, parts.decode_peers, allowlist, node_id)
         self.jobs: dict[str, NodeJob] = {}
         self.drain = NodeDrain(node_id)  # SIGTERM: refuse new requests, finish these jobs
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
         register_inference_extension(self.metrics.registry, self.telemetry)
-        self._peer_cycle = itertools.cycle(parts.decode_peers) if parts.decode_peers else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._engine_events: EngineMailbox[tuple[NodeJob, int | None, Any]] | None = None
         self._prompt_tokens = 0
         self._since_s = time.monotonic()
         # Encodes handoffs (the strategies' calls) off the event loop, one step at a time.
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-encode")
+        self.starter = HandoffStarter(parts, links, self.targets, self.fingerprint, self.encoder,
+                                      self.metrics, node_id)
 
     # -- state readers -----------------------------------------------------------------
 
@@ -109,15 +102,8 @@ class PrefillNode:
                 "handing_off": stats.handing_off, "jobs": len(self.jobs),
                 "kv_bytes": self.held_kv_bytes(), "engine_kv_bytes": self.engine.stats().kv_bytes,
                 "prefix_cache_bytes": self.engine.stats().prefix_cache.cached_bytes,
-                "transfer": {"last_choice": self.last_choice,
-                             "bandwidth_bytes_per_s": self.bandwidth.snapshot()}}
-
-    def _record_choice(self, job: NodeJob, choice: Any, checksum_of: str) -> None:
-        """Make the adaptive choice and the estimate behind it visible: log, metric, health."""
-        self.last_choice = {**choice.as_dict(), "target": job.target, "checksum_of": checksum_of}
-        self.metrics.handoff_choices.labels(strategy=choice.strategy, codec=choice.codec).inc()
-        logger.debug("%s: handoff %s -> %s: %s", self.node_id, job.request_id, job.target,
-                     self.last_choice)
+                "transfer": {"last_choice": self.starter.last_choice,
+                             "bandwidth_bytes_per_s": self.starter.bandwidth.snapshot()}}
 
     # -- router links ------------------------------------------------------------------
 
@@ -142,23 +128,30 @@ class PrefillNode:
             raise FrameError("a prefill node takes no claims", code="claim_refused")
         self.fingerprint.check_supported()  # a model with no handoff form: a 501 naming the class
         request = generation_request(frame)
-        target, pinned = self._choose_target(frame.decode_target)
+        target, pinned = self.targets.choose(frame.decode_target)
+        if self.targets.known(target):
+            self._submit(outbox, frame, request, target, pinned)
+        else:  # its profile first (one dial, the link stays): what it takes, in which dtype
+            self._spawn(self._learn_then_submit(outbox, frame, request, target, pinned))
+
+    async def _learn_then_submit(self, outbox: Outbox, frame: Request, request: Any,
+                                 target: str, pinned: bool) -> None:
+        await self.targets.learn(target, self.links)
+        try:
+            if not pinned:  # our own choice: the next peer that can take our KV
+                target, pinned = self.targets.choose(None)
+            self._submit(outbox, frame, request, target, pinned)
+        except MlxcelError as exc:
+            outbox.put(ErrorFrame(exc.code or "error", exc.message, request.request_id).to_frame())
+
+    def _submit(self, outbox: Outbox, frame: Request, request: Any, target: str,
+                pinned: bool) -> None:
         prefix = delta_prefix_tokens(frame.decode_cached_tokens, pinned, self.fingerprint)
         now = time.monotonic()
         self.scheduler.submit(PrefillJob(request.request_id, len(request.prompt_tokens), target),
                               now, kv_used_fraction=self.kv_used_fraction())
         self.jobs[request.request_id] = NodeJob(request, outbox, target, pinned, now, prefix)
         self._pump()
-
-    def _choose_target(self, wanted: str | None) -> tuple[str, bool]:
-        if wanted:
-            if not self.allowlist.allows(wanted):
-                raise MlxcelError(f"decode target {wanted} is not allowed",
-                                  code="decode_target_refused")
-            return wanted, True
-        if self._peer_cycle is None:
-            raise MlxcelError("no decode_target and no --decode-peers", code="no_decode_target")
-        return next(self._peer_cycle), False
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -172,7 +165,8 @@ class PrefillNode:
         events = self._engine_events
         self.metrics.queue_time.observe(time.monotonic() - job.submitted_s)
         job.submitted_s = time.monotonic()
-        hands_off = job.request.max_tokens > 1  # max_tokens == 1 ends at the first token
+        # max_tokens == 1 ends at the first token; a target that cannot take our KV gets none.
+        hands_off = job.request.max_tokens > 1 and self.targets.refusal(job.target) is None
         on_layer = (lambda index, layer: events.put((job, index, layer))) if hands_off else None
         def on_done(result: Any) -> None:
             events.put((job, None, result))
@@ -180,7 +174,7 @@ class PrefillNode:
         def on_rows(index: int, first: int, arrays: Any) -> None:  # a cell's, as it ends
             events.put((job, (index, first), arrays))
 
-        choice = self._select(job, streaming=True) if hands_off else None
+        choice = self.starter.select(job, streaming=True) if hands_off else None
         strategy = self.parts.strategies.get(choice.strategy) if choice else None
         if sends_rows_ahead(strategy) and prefill_rows(self.engine):  # else no rows copied
             self.engine.prefill(job.request, on_done, on_layer, on_rows=on_rows)
@@ -189,7 +183,7 @@ class PrefillNode:
         if choice is not None:
             # After the engine has the request (the first token's path), before any layer
             # event: those reach this loop only after this callback returns.
-            job.handoff = self._begin_handoff(job, 1, choice, streaming=True)
+            job.handoff = self.starter.begin(job, 1, choice, streaming=True)
 
     def _on_engine_event(self, event: tuple[NodeJob, Any, Any]) -> None:
         """(index, layer), ((index, first token), a cell's rows) or (None, result): loop."""
@@ -202,44 +196,6 @@ class PrefillNode:
             job.handoff.add_rows(*index, payload)
         else:
             job.handoff.add_layer(index, payload)
-
-    def _header(self, job: NodeJob, epoch: int, first_token: int, codec: str) -> HandoffHeader:
-        return HandoffHeader(
-            request_id=job.request_id, handoff_id=job.handoff_id, epoch=epoch,
-            fingerprint=self.fingerprint, prompt_length=len(job.request.prompt_tokens),
-            first_token=first_token, sampling=SerializableSamplingState.from_request(job.request),
-            deadline_in_s=self.parts.transfer_config.transfer_timeout_s,
-            prefix_tokens=job.prefix_tokens, checksum_of=self._checksum_of(job.target, codec),
-        )
-
-    def _checksum_of(self, target: str, codec: str) -> str:
-        """A lossy codec's checksums cover the bodies sent, where the target reads that: the
-        sender then skips decoding its own output, and nodes rounding floats differently agree."""
-        chosen = self.parts.codecs.get(codec)
-        lossy = chosen is not None and not chosen.lossless
-        if lossy and self.links.speaks(target, BODY_CHECKSUM_SERDE_VERSION):
-            return CHECKSUM_OF_ENCODED
-        return CHECKSUM_OF_HELD
-
-    def _select(self, job: NodeJob, streaming: bool) -> TransferChoice:
-        payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
-        return self.selector.select(payload, self.bandwidth.estimate(job.target),
-                                    lanes_available=self.parts.transfer_config.parallelism,
-                                    can_stream=streaming)
-
-    def _begin_handoff(self, job: NodeJob, epoch: int, choice: TransferChoice, streaming: bool,
-                       first_token: int = 0) -> OutgoingHandoff:
-        job.choice = choice
-        strategy = make_strategy(choice.strategy, choice.codec,
-                                 self.parts.strategies, self.parts.codecs,
-                                 chunk_bytes=self.parts.transfer_config.chunk_bytes,
-                                 lanes=choice.lanes)
-        header = self._header(job, epoch, first_token, choice.codec)
-        self._record_choice(job, choice, header.checksum_of)
-        handoff = OutgoingHandoff(header, strategy, job.target, encoder=self.encoder)
-        handoff.push(strategy.start(handoff.header))
-        self.links.start(handoff, choice.lanes if streaming else 1)
-        return handoff
 
     def _on_prefill_done(self, job: NodeJob, result: PrefillResult | Exception) -> None:
         if self.jobs.get(job.request_id) is not job:  # cancelled meanwhile
@@ -261,6 +217,10 @@ class PrefillNode:
             self._finish(job, first, "finished_at_first_token")
             return
         job.owner.put(first.to_frame())
+        if job.handoff is None:  # refused before any KV went: the router places it again
+            error = self.targets.refused_error(job.target)
+            self._finish(job, ErrorFrame(error.code, error.message, job.request_id), error.code)
+            return
         job.result, job.first_token_s = result, time.monotonic()
         self.scheduler.on_prefill_done(job.request_id, time.monotonic(), job.target)
         job.handoff.finish(result.first_token)
@@ -292,9 +252,9 @@ class PrefillNode:
     def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff) -> None:
         self.metrics.observe_handoff(time.monotonic() - job.first_token_s, handoff.sent_bytes,
                                      handoff.chunks_ahead, handoff.rows_stopped)
-        self.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()))
+        self.starter.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()))
         if job.choice is not None:
-            self.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
+            self.starter.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
                                         handoff.sent_bytes)
         self.scheduler.on_handoff_acked(job.request_id)
         self._forget(job, "handed_off")
@@ -333,7 +293,7 @@ class PrefillNode:
 
     def _resend(self, job: NodeJob, epoch: int) -> None:
         """Another attempt from the cache prefill left, every layer at once."""
-        job.handoff = self._begin_handoff(job, epoch, self._select(job, streaming=False),
+        job.handoff = self.starter.begin(job, epoch, self.starter.select(job, streaming=False),
                                           streaming=False, first_token=job.result.first_token)
         for index, layer in enumerate(job.result.cache.layers):
             job.handoff.add_layer(index, layer)

@@ -139,6 +139,7 @@ def run_prefill(config: ServerConfig, registry: PluginRegistry) -> None:
         strategies=registry.entries.get("transfer_strategy", {}),
         codecs=registry.entries.get("kv_codec", {}), decode_peers=config.decode_peers,
         kv_budget_bytes=engine_config_of(engine, config.engine_config).kv_memory_bytes,
+        kv_profile=node_profile(config, engine).kv,
     )
 
     def build() -> PrefillNode:
