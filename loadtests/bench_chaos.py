@@ -28,9 +28,7 @@ Usage: python loadtests/bench_chaos.py [--quick] [--json PATH] [--streams 32]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness
 import httpx
 from bench_common import (
     StreamRecorder,
@@ -70,12 +69,7 @@ def fake_model_dir(root: Path) -> str:
     from engines.model_store import ensure_tiny_model
 
     tiny = ensure_tiny_model(root=Path(__file__).resolve().parents[1] / ".cache" / "mlxcel")
-    root.mkdir(parents=True, exist_ok=True)
-    for path in tiny.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, root / path.name)
-    (root / "fake_engine.json").write_text(json.dumps(KNOBS))
-    return str(root)
+    return str(harness.fake_model_dir(root, tiny, KNOBS))
 
 
 def start(workdir: Path) -> LocalCluster:

@@ -28,7 +28,6 @@ import asyncio
 import inspect
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 from bench_common import (  # noqa: E402
     LOOPBACK,
     add_common_args,
@@ -147,16 +147,8 @@ def front_cost(model_dir: str, requests: int, rounds: int = 5) -> dict[str, floa
 
 def fake_model_dir(root: Path, tiny: Path, token_step_ms: float,
                    context_tokens: int | None) -> Path:  # fmt: skip
-    root.mkdir(parents=True, exist_ok=True)
-    for item in tiny.iterdir():
-        if item.suffix in (".json", ".txt", ".jinja") and item.is_file():
-            shutil.copy(item, root / item.name)
-    (root / "fake_engine.json").write_text(json.dumps({"decode_step_s": token_step_ms / 1000}))
-    if context_tokens is not None:  # the front reads its context from config.json
-        config = json.loads((root / "config.json").read_text())
-        config["max_position_embeddings"] = context_tokens
-        (root / "config.json").write_text(json.dumps(config))
-    return root
+    knobs = {"decode_step_s": token_step_ms / 1000}
+    return harness.fake_model_dir(root, tiny, knobs, context_tokens)
 
 
 def start_hybrid(model_dir: Path, port: int, extra: list[str]) -> subprocess.Popen:

@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 from bench_common import (  # noqa: E402
     LOOPBACK,
     add_common_args,
@@ -126,17 +127,9 @@ def pin(pid: int, core: int) -> None:
 
 def fake_model_dir(root: Path) -> str:
     """Tokenizer files of the tiny checkpoint (no weights) + fake-engine knobs (zero cost)."""
-    import shutil
-
     from engines.model_store import ensure_tiny_model
 
-    tiny = Path(ensure_tiny_model())
-    root.mkdir(parents=True, exist_ok=True)
-    for path in tiny.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, root / path.name)
-    (root / "fake_engine.json").write_text(json.dumps({"decode_step_s": 0.0}))
-    return str(root)
+    return str(harness.fake_model_dir(root, Path(ensure_tiny_model()), {"decode_step_s": 0.0}))
 
 
 def start_router_cluster(workdir: Path, model: str, core: int):

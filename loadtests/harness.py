@@ -8,14 +8,17 @@ module holds the measuring of processes.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 GIB = 1 << 30
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -130,6 +133,26 @@ def pin_all(pid: int, cores: Collection[int]) -> None:
 
     if cores:
         pin_process(pid, cores)
+
+
+# ---------------------------------------------------------------- models
+
+
+def fake_model_dir(root: Path, tiny: Path, knobs: dict[str, Any],
+                   context_tokens: int | None = None) -> Path:
+    """A checkpoint for ``--engine fake``: the tiny checkpoint's files but its weights, and
+    the fake engine's ``knobs`` (``fake_engine.json``); ``context_tokens`` overrides the
+    context the front reads from config.json."""
+    root.mkdir(parents=True, exist_ok=True)
+    for item in tiny.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy(item, root / item.name)
+    (root / "fake_engine.json").write_text(json.dumps(knobs))
+    if context_tokens is not None:
+        config = json.loads((root / "config.json").read_text())
+        config["max_position_embeddings"] = context_tokens
+        (root / "config.json").write_text(json.dumps(config))
+    return root
 
 
 # ---------------------------------------------------------------- the product's KV plane
