@@ -168,10 +168,13 @@ class KVPlaneDefaults:
 
 
 def kv_plane_defaults() -> KVPlaneDefaults:
-    """The product's own defaults, read from its ``LinkConfig`` (whatever fields it has now)."""
+    """The product's own defaults, read from the ``LinkConfig`` a prefill node dials decode
+    nodes with (``nodes.roles.kv_link_config``; whatever fields it has now)."""
     from mlxcel_plugin.link.config import LinkConfig
+    from mlxcel_plugin.nodes import roles
 
-    config = LinkConfig()
+    make = getattr(roles, "kv_link_config", LinkConfig)
+    config = make()
     names = {f.name for f in fields(LinkConfig)}
     record = next((getattr(config, n) for n in ("bulk_record_bytes", "bulk_chunk_bytes")
                    if n in names), 1 << 20)
@@ -180,7 +183,7 @@ def kv_plane_defaults() -> KVPlaneDefaults:
     if callable(lanes):
         lanes = lanes()
     lanes = int(lanes) if lanes else _lanes_from_cores()
-    where = f"LinkConfig.{lane_field}" if lane_field else "one bulk connection (no lane field)"
+    where = f"{make.__name__}().{lane_field}" if lane_field else "no lane field: one connection"
     return KVPlaneDefaults(int(record), max(1, lanes), where)
 
 
