@@ -61,6 +61,11 @@ def cacheable(caches: list[Any]) -> bool:
     return all(type(c) is KVCache for c in caches)
 
 
+# Handed-off caches at least this large are stored as views, not copies (the receive
+# slabs of ``engines/unfilled.py`` are 64 MiB: a view pins at most a slab or two beyond it).
+SHARE_MIN_BYTES = 64 << 20
+
+
 def snapshot(caches: list[Any]) -> list[Any]:
     """An independent copy of any caches' state, as mlx-lm's prompt cache takes one.
 
@@ -196,16 +201,20 @@ class PrefixCache:
         if not self.snapshots or self.reuse_generated:  # a snapshot holds all it was fed
             self._store(tokens[: self._storable(tokens)], caches)
 
-    def store_received(self, tokens: tuple[int, ...], caches: list[Any]) -> None:
-        """``store_prompt`` for a handed-off cache, read in place instead of copied.
+    def store_received(self, tokens: tuple[int, ...], caches: list[Any],
+                       share_min_bytes: int = SHARE_MIN_BYTES) -> None:
+        """``store_prompt`` for a handed-off cache: read in place where it is large.
 
         Why: the copy ran on the decode node's engine thread between two steps,
         a pass over every received byte that delayed every running stream. A
         received ``KVCache`` is full (its buffer ends at its offset), so decoding
         grows it into a new buffer and never writes the one the entry reads.
+        A cache under ``share_min_bytes`` is still copied: its arrays share the
+        receiver's 64 MiB slabs with other handoffs, which a view would keep alive.
         """
         if not self.snapshots or self.reuse_generated:
-            self._store(tokens[: self._storable(tokens)], caches, share=True)
+            share = sum(c.nbytes for c in caches) >= share_min_bytes
+            self._store(tokens[: self._storable(tokens)], caches, share=share)
 
     def snapshot_hook(self, tokens: tuple[int, ...], caches: list[Any]) -> Any:
         """For ``run_prefill``'s ``on_full_chunks``: snapshot the state at the last full chunk.

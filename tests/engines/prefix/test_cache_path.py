@@ -103,7 +103,7 @@ def test_a_received_cache_is_stored_as_views_and_decoding_leaves_the_entry_alone
     prompt = tokens(200, seed=6)
     caches = received(prefilled(model, prompt))
     cache = PrefixCache(1 << 30, CHUNK)
-    cache.store_received(prompt, caches)
+    cache.store_received(prompt, caches, share_min_bytes=0)
     entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
     for stored, held in zip(entry, caches, strict=True):
         assert np.shares_memory(np.array(stored.keys, copy=False), np.array(held.keys, copy=False))
@@ -117,11 +117,14 @@ def test_a_received_cache_is_stored_as_views_and_decoding_leaves_the_entry_alone
     assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
 
 
-def test_a_received_cache_with_room_to_grow_in_place_is_copied(model):
+@pytest.mark.parametrize("case", ["room to grow in place", "small"])
+def test_a_received_cache_with_room_to_grow_in_place_or_small_is_copied(model, case):
     prompt = tokens(200, seed=7)
     caches = prefilled(model, prompt)  # its buffers have room: decoding would write them
+    if case == "small":  # full, but below the bound: its slab is shared with other handoffs
+        caches = received(caches)
     cache = PrefixCache(1 << 30, CHUNK)
-    cache.store_received(prompt, caches)
+    cache.store_received(prompt, caches, share_min_bytes=0 if case != "small" else 1 << 30)
     entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
     assert not np.shares_memory(np.array(entry[0].keys, copy=False),
                                 np.array(caches[0].keys, copy=False))
