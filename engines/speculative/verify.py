@@ -39,7 +39,7 @@ def verify_rows(model: nn.Module, head: Callable | None, groups: list[Any],
                 proposals: list[list[int]]) -> tuple[list[np.ndarray], list[int]]:
     """One forward for every group: per sequence (batch order) float32 logits ``[1 + k, V]``,
     and each group's width (rows fed per sequence)."""
-    outputs, blocks, start = [], [], 0
+    outputs, widths, start = [], [], 0
     for group in groups:
         mine = proposals[start : start + len(group.sequences)]
         start += len(group.sequences)
@@ -47,16 +47,25 @@ def verify_rows(model: nn.Module, head: Callable | None, groups: list[Any],
         out = model(inputs, cache=group.caches) if head is None else model.model(
             inputs, cache=group.caches)
         outputs.append(out.reshape(-1, out.shape[-1]))
-        blocks.append((inputs.shape[1], mine))
+        widths.append(inputs.shape[1])
     flat = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+    # Only the rows a sequence verifies reach the vocabulary projection (not the padding).
+    flat = flat[mx.array(verified_rows(widths, [len(p) for p in proposals], groups))]
     logits = (flat if head is None else head(flat)).astype(mx.float32)
     mx.eval(logits)
-    table, rows, offset = np.array(logits), [], 0
-    for width, mine in blocks:
-        for j, proposal in enumerate(mine):
-            rows.append(table[offset + j * width : offset + j * width + 1 + len(proposal)])
-        offset += width * len(mine)
-    return rows, [width for width, _ in blocks]
+    table = np.array(logits)
+    ends = np.cumsum([1 + len(p) for p in proposals])
+    return [table[end - 1 - len(p) : end] for end, p in zip(ends, proposals, strict=True)], widths
+
+
+def verified_rows(widths: list[int], counts: list[int], groups: list[Any]) -> list[int]:
+    """Flat indices of each sequence's newest-token row and its ``counts[i]`` proposal rows."""
+    rows, offset, i = [], 0, 0
+    for group, width in zip(groups, widths, strict=True):
+        for _ in group.sequences:
+            rows += range(offset, offset + 1 + counts[i])
+            offset, i = offset + width, i + 1
+    return rows
 
 
 def settle_groups(groups: list[Any], widths: list[int], kept: list[int]) -> None:

@@ -67,3 +67,18 @@ def test_a_mixed_batch_gives_each_request_its_plain_output(engines):
     counts = spec.stats().speculative.methods["ngram"]
     assert before is None or counts.proposed > before.proposed
     assert counts.accepted > 0  # speculation took tokens, so the equality above means something
+
+
+def test_structured_output_with_speculation_is_the_plain_output(engines):
+    """Each verified row goes through the grammar in order: the constraint holds row by row."""
+    from tests.engines.test_grammar import EOS, SCHEMAS, grammar
+
+    plain, spec = engines
+    for name in ("array_of_objects", "bounded_array", "nested"):
+        sampling = SamplingParams(grammar=grammar(SCHEMAS[name]), speculative="ngram")
+        request = GenerationRequest(f"g-{name}", repetitive_prompt(1), 80, sampling,
+                                    stop_token_ids=(EOS,))
+        want = support.generate(plain, request)
+        have = support.generate(spec, request)
+        assert have.tokens == want.tokens, name
+        assert have.last.finish_reason == want.last.finish_reason
