@@ -7,7 +7,8 @@ another ``kv_bits``. Each announces its profile in its link verdict; the router
 must never pair the prefill node with them. A streaming load of 200 requests
 runs; every request must succeed, the incompatible nodes must see no handoff,
 and each refusal must show in ``/router/stats``, in ``/metrics`` and in one log
-line. Then the same with the incompatible node arriving later, in the peers file.
+line. Then the same with the incompatible node arriving later: in the peers file, and
+as a new address of a DNS name (a local dnslib server).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxcel_plugin.local_cluster import LocalCluster, NodeProcess
+from mlxcel_plugin.local_cluster import LocalCluster, NodeProcess, free_port
 from mlxcel_plugin.testing.membership_harness import (
     node_entry,
     router_stats,
@@ -37,6 +38,7 @@ from tests.integration.test_membership import (
     start_router,
 )
 from tests.integration.test_router_cluster import MODEL, fake_model_dir
+from tests.router_plugin.discovery.local_dns import LocalDns
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -95,7 +97,7 @@ class StreamingLoad:
 
 
 def foreign_node(tmp_path: Path, cluster: LocalCluster, name: str, tiny: Path, *,
-                 toml: str = "", **knobs: float) -> NodeProcess:
+                 toml: str = "", bind: str | None = None, **knobs: float) -> NodeProcess:
     """A decode node whose config.json is the cluster's, with one difference of its own."""
     other = LocalCluster(tmp_path / name, common_args=list(cluster.common_args),
                          model=fake_model_dir(tmp_path / f"{name}-model", tiny,
@@ -109,7 +111,7 @@ def foreign_node(tmp_path: Path, cluster: LocalCluster, name: str, tiny: Path, *
     if name == "tokenizer":
         path = Path(other.model, "tokenizer.json")
         path.write_text(path.read_text().replace("{", '{"variant": 2, ', 1))
-    node = other.start_engine_node("decode")
+    node = other.start_engine_node("decode", bind)
     cluster.nodes.append(node)  # stopped with the cluster
     return node
 
@@ -195,3 +197,29 @@ def test_an_incompatible_node_arriving_through_the_peers_file_is_refused(
         assert_counted(router, {"layer_count_mismatch": 1})
     finally:
         cluster.stop()
+
+
+def test_an_incompatible_node_arriving_through_dns_is_refused(tmp_path, tiny_model_path):
+    port, name = free_port(), "decode.mixed.test"  # one port, several addresses
+    cluster = make_cluster(tmp_path, tiny_model_path)
+    with LocalDns() as dns:
+        try:
+            start_nodes(cluster, [("prefill", None), ("decode", f"127.0.0.2:{port}")])
+            late = foreign_node(tmp_path, cluster, "layers", tiny_model_path,
+                                bind=f"127.0.0.3:{port}", num_layers=6)
+            late.wait_healthy(STARTUP_TIMEOUT_S)
+            dns.set(name, "127.0.0.2")
+            router = start_router(cluster, f'nameservers = ["{dns.nameserver}"]\n',
+                                  "--prefill-peers", cluster.nodes[0].serving_bind,
+                                  "--decode-peers", f"dns:{name}:{port}")
+            first = StreamingLoad(router.url, LOAD_REQUESTS // 4).run()
+            dns.set(name, "127.0.0.2", "127.0.0.3")
+            wait_until(lambda: (node_entry(router_stats(router.url), "decode", late.serving_bind)
+                                or {}).get("refused"), CHANGE_TIMEOUT_S)
+            rest = StreamingLoad(router.url, LOAD_REQUESTS - first.requests).run()
+            assert first.failures == [] and rest.failures == []
+            assert first.ok + rest.ok == LOAD_REQUESTS
+            assert_refused_without_traffic(router, late, "layer_count_mismatch")
+            assert_counted(router, {"layer_count_mismatch": 1})
+        finally:
+            cluster.stop()
