@@ -54,9 +54,22 @@ def _pick_ports() -> range:
     return below if len(below) >= len(above) else above
 
 
+def _worker_share(ports: range) -> range:
+    """Under pytest-xdist, this worker's own slice of ``ports`` (every Nth from its index).
+
+    ``_handed_out`` is per process: two workers could pick the same port for nodes starting
+    side by side. Their environment (inherited by the nodes they start) names the worker.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count < 2:
+        return ports
+    return ports[int(worker[2:]) % count::count] or ports  # a range too small to share
+
+
 def free_port() -> int:
     """A loopback port free now and never handed out before, for a node started next to bind."""
-    ports = _pick_ports()
+    ports = _worker_share(_pick_ports())
     for _ in range(_PICK_ATTEMPTS):  # bounded: a few ports in the range are ever taken
         port = random.choice(ports)
         if port not in _handed_out and _bindable(port):

@@ -25,6 +25,7 @@ def test_a_busy_range_falls_back_to_a_kernel_pick(monkeypatch):
 
 def test_a_port_is_never_handed_out_twice(monkeypatch):
     """Two nodes of one cluster asked for ports before either bound: never the same one."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the whole range, not a share
     monkeypatch.setattr(local_cluster, "_PICK_PORTS", range(21000, 21004))
     monkeypatch.setattr(local_cluster, "_handed_out", set())
     monkeypatch.setattr(local_cluster, "_pick_ports", lambda: local_cluster._PICK_PORTS)
@@ -51,3 +52,17 @@ def test_the_pick_avoids_the_kernels_ephemeral_range(monkeypatch, tmp_path):
     assert local_cluster._pick_ports() == local_cluster._PICK_PORTS
     proc.write_text("25000\t60999\n")
     assert local_cluster._pick_ports() == range(20000, 25000)
+
+
+def test_xdist_workers_pick_from_disjoint_shares(monkeypatch):
+    """Two workers' nodes start side by side: neither may be handed a port the other can be."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    shares = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        shares.append(set(local_cluster._worker_share(range(21000, 21010))))
+    assert shares == [{21000, 21002, 21004, 21006, 21008}, {21001, 21003, 21005, 21007, 21009}]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    assert local_cluster._worker_share(range(21000, 21001)) == range(21000, 21001)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert local_cluster._worker_share(range(21000, 21010)) == range(21000, 21010)
