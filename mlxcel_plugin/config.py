@@ -273,9 +273,10 @@ def validate(config: ServerConfig) -> ServerConfig:
         raise ConfigError(f"--node-role {config.role} needs --serving-bind HOST:PORT")
     has_pools = config.prefill_peers and config.decode_peers
     dynamic = config.peers_file or config.discovery
-    if config.role == "router" and not (config.peers or has_pools or dynamic):
+    model_pools = config.section("models")  # [models.NAME]: router_plugin/cluster/model_pools
+    if config.role == "router" and not (config.peers or has_pools or dynamic or model_pools):
         raise ConfigError("--node-role router needs --prefill-peers and --decode-peers, --peers,"
-                          " --peers-file or --discovery")
+                          " --peers-file, --discovery or [models.NAME] sections")
     if bool(config.ssl_keyfile) != bool(config.ssl_certfile):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
     for tls_file in (config.ssl_keyfile, config.ssl_certfile):

@@ -30,6 +30,7 @@ from mlxcel_plugin.text import TextTokenizer
 from router_plugin.cluster.admission import AdmissionController, BackpressureConfig
 from router_plugin.cluster.backend import ClusterBackend, RouterConfig
 from router_plugin.cluster.health import HealthConfig, HealthMonitor
+from router_plugin.cluster.model_pools import has_model_pools, model_pool_configs
 from router_plugin.cluster.node_pool import NodePool
 from router_plugin.cluster.pairing import PairingTable
 from router_plugin.cluster.peer_links import PeerLinks, make_dialer
@@ -42,6 +43,7 @@ from router_plugin.discovery.wiring import attach_discovery
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.drain import DrainGate, DrainingServer
 from router_plugin.http.front import make_app
+from router_plugin.http.model_dispatch import ModelDispatcher
 from router_plugin.http.options import FrontOptions
 
 logger = logging.getLogger(__name__)
@@ -168,9 +170,25 @@ def make_router_app(config: Any, registry: PluginRegistry,
     return app
 
 
+def make_models_router_app(pools: Mapping[str, Any], registry: PluginRegistry,
+                           env: Mapping[str, str] | None = None) -> ModelDispatcher:
+    """A router over several models (``model_pools``): one router app per model, by ``model``."""
+    apps = {name: make_router_app(pool, registry, env) for name, pool in pools.items()}
+    first = next(iter(pools.values()))
+    return ModelDispatcher(apps, max_request_bytes=first.max_request_bytes)
+
+
 def run_router(config: Any, registry: PluginRegistry) -> None:
     """Serve until interrupted (``mlxcel_register_roles`` entry for ``router``)."""
     secret = require_cluster_secret("router", config.cluster_secret_file, os.environ)
+    if has_model_pools(config):
+        pools = {name: discover_pools(pool, secret)
+                 for name, pool in model_pool_configs(config).items()}  # fmt: skip
+        dispatcher = make_models_router_app(pools, registry)
+        logger.info("router serving %s on http://%s:%s", ", ".join(pools), config.host,
+                    config.port)  # fmt: skip
+        _serve(dispatcher, config, dispatcher)
+        return
     config = discover_pools(config, secret)
     app = make_router_app(config, registry)
     logger.info("router serving %s on http://%s:%s (%d prefill, %d decode peers)",
@@ -179,10 +197,10 @@ def run_router(config: Any, registry: PluginRegistry) -> None:
     _serve(app, config)
 
 
-def _serve(app: FastAPI, config: Any) -> None:
+def _serve(app: Any, config: Any, front: Any = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain (``drain.py``) and return (exit status 0)."""
     freeze_startup_heap()  # imports and the app: full GC passes stay short
-    gate = DrainGate(app, app.state.front)
+    gate = DrainGate(app, front or app.state.front)
     server_config = uvicorn.Config(
         gate,
         host=config.host,

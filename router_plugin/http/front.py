@@ -131,7 +131,8 @@ class OpenAIFront:
         return await self._serve(request, completion)
 
     def models(self) -> dict[str, Any]:
-        card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mlxcel"}
+        card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mlxcel",
+                "max_model_len": self.context_length}  # vLLM's name for the context
         return {"object": "list", "data": [card]}
 
     def health(self) -> JSONResponse:

@@ -216,6 +216,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int | None = None  # the model's context in tokens (vLLM's field)
+    parent: str | None = None  # an adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):

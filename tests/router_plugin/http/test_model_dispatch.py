@@ -1,0 +1,100 @@
+"""The several-model front: requests reach their model's app, unknown models get 404,
+``/v1/models`` and ``/metrics`` cover every model, the API key still guards (no sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from router_plugin.http.backend import LocalEngineBackend
+from router_plugin.http.front import make_app
+from router_plugin.http.merged_metrics import merge_expositions
+from router_plugin.http.model_dispatch import ModelDispatcher
+from router_plugin.http.options import FrontOptions
+
+EOS = 2
+USER = [{"role": "user", "content": "Say hi"}]
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _dispatcher(text_tokenizer: Any, make_engine: Any, **options: Any) -> ModelDispatcher:
+    apps = {}
+    for name, text in (("alpha", "from alpha"), ("beta", "from beta")):
+        ids = text_tokenizer.encode(text, add_special_tokens=False) + [EOS]
+        engine = make_engine(lambda request, ids=ids: ids)
+        apps[name] = make_app(LocalEngineBackend(engine), text_tokenizer, name,
+                              options=FrontOptions(**options))  # fmt: skip
+    return ModelDispatcher(apps, max_request_bytes=1 << 20)
+
+
+def _client(app: Any, **headers: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t",
+                             headers=headers)  # fmt: skip
+
+
+async def _chat(client: httpx.AsyncClient, model: str | None) -> httpx.Response:
+    body: dict[str, Any] = {"messages": USER, "max_tokens": 8}
+    if model is not None:
+        body["model"] = model
+    return await client.post("/v1/chat/completions", json=body)
+
+
+async def test_each_model_is_served_by_its_own_app(text_tokenizer, make_engine) -> None:
+    async with _client(_dispatcher(text_tokenizer, make_engine)) as client:
+        for name in ("alpha", "beta"):
+            reply = (await _chat(client, name)).json()
+            assert reply["model"] == name
+            assert reply["choices"][0]["message"]["content"] == f"from {name}"
+        default = (await _chat(client, None)).json()
+        assert default["model"] == "alpha"  # no model: the first one
+        completion = await client.post("/v1/completions",
+                                       json={"model": "beta", "prompt": "x", "max_tokens": 4})
+        assert completion.json()["choices"][0]["text"] == "from beta"
+
+
+async def test_unknown_model_is_404_model_not_found(text_tokenizer, make_engine) -> None:
+    async with _client(_dispatcher(text_tokenizer, make_engine)) as client:
+        refused = await _chat(client, "gamma")
+    assert refused.status_code == 404
+    assert refused.json()["error"]["code"] == "model_not_found"
+
+
+async def test_models_and_metrics_cover_every_model(text_tokenizer, make_engine) -> None:
+    async with _client(_dispatcher(text_tokenizer, make_engine)) as client:
+        await _chat(client, "alpha")
+        await _chat(client, "beta")
+        cards = (await client.get("/v1/models")).json()["data"]
+        metrics = (await client.get("/metrics")).text
+    assert [card["id"] for card in cards] == ["alpha", "beta"]
+    assert all(card["max_model_len"] == text_tokenizer.context_length for card in cards)
+    assert metrics.count("# TYPE mlxcel:generation_tokens_total counter") == 1
+    assert 'mlxcel:generation_tokens_total{model_name="beta"}' in metrics
+    assert 'mlxcel:generation_tokens_total{model_name="alpha"}' in metrics
+
+
+async def test_the_api_key_guards_every_model(text_tokenizer, make_engine) -> None:
+    dispatcher = _dispatcher(text_tokenizer, make_engine, api_keys=frozenset({"k"}))
+    async with _client(dispatcher) as client:
+        assert (await _chat(client, "beta")).status_code == 401
+        assert (await _chat(client, "gamma")).status_code == 401  # no model list leaks
+        assert (await client.get("/v1/models")).status_code == 401
+    async with _client(dispatcher, authorization="Bearer k") as client:
+        assert (await _chat(client, "beta")).status_code == 200
+        assert len((await client.get("/v1/models")).json()["data"]) == 2
+
+
+def test_samples_without_a_model_label_get_their_models() -> None:
+    text, _ = merge_expositions({
+        "a": b"# HELP up Up.\n# TYPE up gauge\nup 1.0\n",
+        "b": b"# HELP up Up.\n# TYPE up gauge\nup 0.0\n",
+    })  # fmt: skip
+    assert text.decode().splitlines() == [
+        "# HELP up Up.", "# TYPE up gauge", 'up{model_name="a"} 1.0', 'up{model_name="b"} 0.0',
+    ]  # fmt: skip
