@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 
 from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
@@ -37,8 +38,10 @@ def service_info(config: ServerConfig, node_id: str,
     host, port = parse_host_port(config.serving_bind or "")
     # A wildcard bind: zeroconf announces every interface's address.
     addresses = None if host in ANY_HOST else [host]
+    # "model": its served NAME, which a several-model router's pools sort nodes by.
     properties = {"role": config.role, "node": node_id,
-                  "fp": model_fingerprint(config.model) or ""}
+                  "fp": model_fingerprint(config.model) or "",
+                  "model": config.served_model_name or Path(config.model or "").name}
     # Its tokenizer/template digests and KV summary (each TXT string holds 255 bytes).
     pins = profile.to_announce() if profile is not None else {}
     properties.update({k: v for k, v in pins.items() if len(v.encode()) <= MAX_TXT_BYTES})

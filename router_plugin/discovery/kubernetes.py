@@ -5,7 +5,8 @@ Needs the extra ``mlxcel-plugin[kubernetes]`` and RBAC to list and watch pods
 role label (``[discovery] kubernetes_role_label``, by default the LWS
 DisaggregatedSet's ``disaggregatedset.x-k8s.io/role``) of ``prefill`` or
 ``decode``, and a container port named ``[discovery] kubernetes_port_name``; its
-``mlxcel.io/model-fingerprint`` annotation, when set, is its model fingerprint.
+``mlxcel.io/model-fingerprint`` annotation, when set, is its model fingerprint; its
+``mlxcel.io/model`` label, when set, its served model NAME (``served_model.py``).
 
 The client is synchronous: a thread lists the pods (a ``SYNC`` event: the full
 set), then watches from that list's version, and starts over when the watch
@@ -30,6 +31,7 @@ from mlxcel_plugin.discovery_api import (
     Snapshot,
     host_port,
 )
+from router_plugin.discovery.served_model import MODEL_LABEL, belongs, pool_model
 
 logger = logging.getLogger(__name__)
 
@@ -55,30 +57,35 @@ def _port(pod: Any, port_name: str) -> int | None:
     return None
 
 
-def pod_member(pod: Any, discovery: DiscoveryConfig, source: str = "kubernetes") -> Member | None:
-    """The node a pod is, or None (not ready, no IP, no role or no link port)."""
+def pod_member(pod: Any, discovery: DiscoveryConfig, source: str = "kubernetes",
+               model: str | None = None) -> Member | None:
+    """The node a pod is, or None (not ready, no IP, no role, no link port, or the node of
+    another model than the pool's ``model``)."""
     labels = pod.metadata.labels or {}
     role = labels.get(discovery.kubernetes_role_label)
     port = _port(pod, discovery.kubernetes_port_name)
     ip = pod.status.pod_ip if pod.status else None
     if role not in NODE_ROLES or port is None or not ip or not _ready(pod):
         return None
+    if not belongs(labels.get(MODEL_LABEL), model):
+        return None
     fingerprint = (pod.metadata.annotations or {}).get(FINGERPRINT_ANNOTATION)
     return Member(role, host_port(ip, port), fingerprint, source)
 
 
-def apply_event(members: dict[str, Member], event: Event, discovery: DiscoveryConfig) -> bool:
-    """Update ``members`` (pod name -> node) from one event; True when they changed."""
+def apply_event(members: dict[str, Member], event: Event, discovery: DiscoveryConfig,
+                model: str | None = None) -> bool:
+    """Update ``members`` (pod name -> node of ``model``) from one event; True when changed."""
     before = dict(members)
     kind, obj = event.get("type"), event.get("object")
     if kind == SYNC:
         members.clear()
         for pod in obj or []:
-            member = pod_member(pod, discovery)
+            member = pod_member(pod, discovery, model=model)
             if member is not None:
                 members[pod.metadata.name] = member
     elif kind in ("ADDED", "MODIFIED", "DELETED"):
-        member = None if kind == "DELETED" else pod_member(obj, discovery)
+        member = None if kind == "DELETED" else pod_member(obj, discovery, model=model)
         if member is None:
             members.pop(obj.metadata.name, None)
         else:
@@ -127,6 +134,7 @@ class KubernetesSource:
     def __init__(self, config: ServerConfig, discovery: DiscoveryConfig,
                  stream: EventStream | None = None):
         self.discovery = discovery
+        self.model = pool_model(config)
         self._stream = stream
         self.members: dict[str, Member] = {}
 
@@ -140,7 +148,8 @@ class KubernetesSource:
         try:
             yield frozenset()
             while True:  # until aclose()
-                if apply_event(self.members, await events.get(), self.discovery):
+                event = await events.get()
+                if apply_event(self.members, event, self.discovery, self.model):
                     yield frozenset(self.members.values())
         finally:
             stop.set()  # the thread ends at its next event or watch timeout

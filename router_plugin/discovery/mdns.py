@@ -1,6 +1,7 @@
 """``mdns``: nodes that advertise ``_mlxcel._tcp`` on the LAN (``--advertise mdns``).
 
-Each service is one node: its TXT ``role`` and ``fp`` (model fingerprint), the
+Each service is one node: its TXT ``role``, ``fp`` (model fingerprint) and
+``model`` (its served model NAME: only that model's pool takes it), the
 first IPv4 address it announces and its port (the link listener). A service
 that goes away (the node unregisters on shutdown, or its records expire) leaves
 the snapshot, and the router drains it.
@@ -26,6 +27,7 @@ from mlxcel_plugin.discovery_api import (
     host_port,
     pinned_profile,
 )
+from router_plugin.discovery.served_model import MODEL_KEY, belongs, pool_model
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class MdnsSource:
 
     def __init__(self, config: ServerConfig, discovery: DiscoveryConfig):
         self._members: dict[str, Member] = {}  # service name -> node
+        self.model = pool_model(config)
 
     async def watch(self) -> AsyncIterator[Snapshot]:
         loop = asyncio.get_running_loop()
@@ -86,7 +89,7 @@ class MdnsSource:
                 logger.warning("mdns: %s did not answer with its address", name)
                 return False
             member = member_from_info(info, self.name)
-            if member is None:
+            if member is None or not belongs(txt(info.properties, MODEL_KEY), self.model):
                 self._members.pop(name, None)
             else:
                 self._members[name] = member

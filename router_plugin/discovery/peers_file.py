@@ -2,7 +2,8 @@
 and at once on SIGHUP.
 
 The file is TOML with ``prefill`` and ``decode`` lists; an entry is ``"host:port"``
-or ``{ address = "host:port", fingerprint = "..." }``. A file that is missing or
+or ``{ address = "host:port", fingerprint = "...", model = "NAME" }`` (with a
+``model``, only that model's pool takes it: ``served_model.py``). A file that is missing or
 does not parse keeps the last good membership (an editor's half-written save must
 not drain the cluster), with one log line per bad version.
 """
@@ -27,14 +28,16 @@ from mlxcel_plugin.discovery_api import (
     pinned_profile,
 )
 from mlxcel_plugin.errors import ConfigError
+from router_plugin.discovery.served_model import MODEL_KEY, belongs, pool_model
 
 logger = logging.getLogger(__name__)
 
 FileVersion = tuple[int, int] | None  # (mtime_ns, size); None: missing
 
 
-def parse_peers_file(text: str, source: str = "file") -> Snapshot:
-    """The members a peers file lists; ConfigError naming what is wrong."""
+def parse_peers_file(text: str, source: str = "file", model: str | None = None) -> Snapshot:
+    """The members a peers file lists for the pool of ``model`` (None: all); ConfigError
+    naming what is wrong."""
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -42,16 +45,17 @@ def parse_peers_file(text: str, source: str = "file") -> Snapshot:
     unknown = sorted(set(document) - set(NODE_ROLES))
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(unknown)}; known: prefill, decode")
-    return frozenset(_members(document, source))
+    return frozenset(_members(document, source, model))
 
 
-def _members(document: dict[str, Any], source: str) -> Iterator[Member]:
+def _members(document: dict[str, Any], source: str, model: str | None) -> Iterator[Member]:
     for role in NODE_ROLES:
         entries = document.get(role, [])
         if not isinstance(entries, list):
             raise ConfigError(f"{role} must be a list of addresses")
         for entry in entries:
-            yield _member(role, entry, source)
+            if not isinstance(entry, dict) or belongs(entry.get(MODEL_KEY), model):
+                yield _member(role, entry, source)
 
 
 def _member(role: str, entry: Any, source: str) -> Member:
@@ -81,6 +85,7 @@ class PeersFileSource:
         if not config.peers_file:
             raise ConfigError("the file discovery source needs --peers-file PATH")
         self.path = Path(config.peers_file)
+        self.model = pool_model(config)
         self.interval_s = discovery.interval_s
         self._wake = asyncio.Event()
 
@@ -111,7 +116,7 @@ class PeersFileSource:
                            self.path)
             return frozenset() if last is None else last
         try:
-            return parse_peers_file(self.path.read_text(encoding="utf-8"), self.name)
+            return parse_peers_file(self.path.read_text(encoding="utf-8"), self.name, self.model)
         except (OSError, ConfigError) as exc:
             logger.error("--peers-file %s: %s; keeping the nodes it last listed", self.path, exc)
             return frozenset() if last is None else last
