@@ -117,6 +117,8 @@ SECTIONS = (
     Section("backpressure", "router_plugin.cluster.admission:BackpressureConfig", "router"),
     Section("health", "router_plugin.cluster.health:HealthConfig", "router"),
     Section("discovery", "mlxcel_plugin.discovery_api:DiscoveryConfig", "router"),
+    Section("models", "router_plugin.cluster.model_pools:ModelPoolEntry",
+            "router; one `[models.NAME]` table per served model: docs/models-and-adapters.md"),
 )
 
 

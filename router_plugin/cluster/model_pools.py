@@ -16,7 +16,7 @@ The router's own ``--model`` with ``--prefill-peers``/``--decode-peers`` (or
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,22 @@ from mlxcel_plugin.config import ServerConfig, split_addresses
 from mlxcel_plugin.errors import ConfigError
 
 MODELS_SECTION = "models"
+
+
+@dataclass(frozen=True)
+class ModelPoolEntry:
+    """The keys of one ``[models.NAME]`` table (the reference lists them from here)."""
+
+    model: str  # checkpoint directory: the pool's tokenizer and chat template (no weights)
+    prefill_peers: tuple[str, ...] = ()  # the pool's prefill nodes, as --prefill-peers
+    decode_peers: tuple[str, ...] = ()  # the pool's decode nodes, as --decode-peers
+    peers: tuple[str, ...] = ()  # nodes whose role the router asks, as --peers
+    peers_file: str = ""  # the pool's peers file, as --peers-file
+    discovery: str = ""  # the pool's discovery sources, as --discovery
+
+
 _PEER_LISTS = ("prefill_peers", "decode_peers", "peers")
-_TEXT_KEYS = ("model", "peers_file", "discovery")
-POOL_KEYS = frozenset((*_PEER_LISTS, *_TEXT_KEYS))
+POOL_KEYS = frozenset(f.name for f in fields(ModelPoolEntry))
 
 
 def has_model_pools(config: ServerConfig) -> bool:
@@ -56,7 +69,8 @@ def _pool_config(config: ServerConfig, name: str, entry: Any) -> ServerConfig:
     if not isinstance(model, str) or not Path(model).is_dir():
         raise ConfigError(f"{where}: model must be a checkpoint directory, got {model!r}")
     lists = {key: split_addresses(entry.get(key, ())) for key in _PEER_LISTS}
-    pool = replace(config, model=model, served_model_name=name, peers_file=entry.get("peers_file"),
+    pool = replace(config, model=model, served_model_name=name,
+                   peers_file=entry.get("peers_file") or None,
                    discovery=entry.get("discovery", ""), **lists)  # fmt: skip
     if not _own_pool(pool):
         raise ConfigError(f"{where} needs prefill_peers and decode_peers, peers, peers_file "
