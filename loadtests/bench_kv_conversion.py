@@ -33,7 +33,7 @@ from mlxcel_plugin.local_cluster import NodeProcess, start_node  # noqa: E402
 from tests.conftest import model_cache_root  # noqa: E402
 from tests.integration.test_kv_conversion_cluster import (  # noqa: E402
     MODEL,
-    STARTUP_TIMEOUT_S,
+    SLOW_STARTUP_S,
     Pair,
     dtype_copy,
     tiny_model,
@@ -56,7 +56,7 @@ def hybrid_texts(workdir: Path, model: Path, prompts: list[str], tokens: int) ->
     node: NodeProcess = start_node("hybrid", workdir, ["--model", str(model), "--no-warmup",
                                                        "--served-model-name", MODEL])
     try:
-        node.wait_healthy(STARTUP_TIMEOUT_S)
+        node.wait_healthy(SLOW_STARTUP_S)  # float16 on a CPU starts slowly
         return texts(node.url, prompts, tokens)
     finally:
         node.stop()
@@ -64,7 +64,7 @@ def hybrid_texts(workdir: Path, model: Path, prompts: list[str], tokens: int) ->
 
 def cluster_texts(workdir: Path, prefill: Path, decode: Path, prompts: list[str],
                   tokens: int) -> list[str]:
-    pair = Pair(workdir)
+    pair = Pair(workdir, startup_s=SLOW_STARTUP_S)
     try:
         _, _, router = pair.start(prefill, decode)
         return texts(router.url, prompts, tokens)

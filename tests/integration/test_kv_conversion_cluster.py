@@ -21,6 +21,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
+from engines.model_store import ensure_default_model
 from engines.tiny_models import ensure_arch_model
 from mlxcel_plugin.link import generate_secret_file
 from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node
@@ -38,6 +39,7 @@ from tests.integration.test_arch_matrix_kv_bits import KV_BITS, hybrid_bodies
 pytestmark = pytest.mark.timeout(900)
 # Every request through a prefill node and a handoff (no decode-local prefill).
 ROUTED = '[transfer]\nstrategy = "streamed"\n[prefix_cache]\nlocal_prefill_tokens = 0\n'
+SLOW_STARTUP_S = 600
 _MX = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -63,8 +65,8 @@ def tiny_model() -> Path:
 class Pair:
     """A prefill node and a decode node (each its own checkpoint and TOML) behind a router."""
 
-    def __init__(self, workdir: Path):
-        self.workdir, self.nodes = workdir, []
+    def __init__(self, workdir: Path, startup_s: float = STARTUP_TIMEOUT_S):
+        self.workdir, self.nodes, self.startup_s = workdir, [], startup_s
         workdir.mkdir(parents=True, exist_ok=True)
         self.secret = workdir / "cluster.secret"
         generate_secret_file(self.secret)
@@ -83,7 +85,7 @@ class Pair:
         router = self._node("router", [*self.args(prefill_model, ROUTED, "router"),
                                        "--prefill-peers", binds[0], "--decode-peers", binds[1]])
         for node in self.nodes:
-            node.wait_healthy(STARTUP_TIMEOUT_S)
+            node.wait_healthy(self.startup_s)
         wait_until(lambda: all(e["health"] == "healthy" and e["kv"] for role in
                                router_stats(router.url)["nodes"].values() for e in role), 60)
         return prefill, decode, router
@@ -138,6 +140,22 @@ def test_a_handoff_between_dtypes_converts_and_completes(tmp_path: Path, sender:
     log = prefill.log_path.read_text()
     assert f"convert: {sender}->{receiver}" in log, log[-2000:]
     print(f"\n{sender} -> {receiver}: {handoffs:.0f} handoffs, {sent_bytes:.0f} bytes sent")
+
+
+@pytest.mark.smollm2
+def test_smollm2_float32_prefill_to_a_float16_decode_node(tmp_path: Path):
+    model = ensure_default_model(model_cache_root())
+    narrow = dtype_copy(model, model_cache_root() / f"{model.name}-float16", "float16")
+    pair = Pair(tmp_path, startup_s=SLOW_STARTUP_S)  # float16 on a CPU: a slow start
+    try:
+        prefill, decode, router = pair.start(model, narrow)
+        entry = node_entry(router_stats(router.url), "decode", decode.serving_bind)
+        routed = bodies(router.url)
+        handoffs = handoff_count(prefill.url)
+    finally:
+        pair.stop()
+    assert entry["converts"] == [{"with": entry["pairs"][0], "converts": "float32->float16"}]
+    assert handoffs == len(CASES) and len(routed) == len(CASES)
 
 
 def test_a_plain_prefill_node_hands_off_to_a_kv_bits_decode_node(tmp_path: Path):
