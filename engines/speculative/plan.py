@@ -26,11 +26,13 @@ class SequencePlan:
 
     @classmethod
     def for_sequence(cls, sequence: Any, config: SpeculativeConfig) -> SequencePlan:
+        method = request_method(sequence.request, config)
         prompt = sequence.request.prompt_tokens if sequence.request is not None else ()
-        index = NgramIndex(config.ngram_min, config.ngram_max, (*prompt, *sequence.generated))
+        context = (*prompt, *sequence.generated) if method == METHOD_NGRAM else ()  # else unused
+        index = NgramIndex(config.ngram_min, config.ngram_max, context)
         controller = AdaptiveController(config.num_speculative_tokens, config.verify_row_cost,
                                         config.adaptive)
-        return cls(request_method(sequence.request, config), index, controller)
+        return cls(method, index, controller)
 
     @property
     def active(self) -> bool:

@@ -1,0 +1,30 @@
+"""``python -m loadtests.bench_speculative --quick`` end to end on the tiny model.
+
+Structure only: which tables and rows appear, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 900
+
+
+def test_quick_run_prints_and_writes_every_table(tmp_path):
+    out = tmp_path / "speculative.json"
+    done = subprocess.run([sys.executable, "-m", "loadtests.bench_speculative", "--quick",
+                           "--streams", "1", "--json", str(out)], cwd=REPO, check=True,
+                          timeout=RUN_TIMEOUT_S, capture_output=True, text=True)
+    assert "greedy flips vs plain" in done.stdout
+    tables = {t["title"]: t for t in json.loads(out.read_text())["tables"]}
+    speeds = tables["decode tokens/s per stream (median)"]["rows"]
+    assert [(row[0], row[2]) for row in speeds] == [
+        ("code-edit", "plain"), ("code-edit", "ngram"), ("open-chat", "plain"),
+        ("open-chat", "ngram")]
+    assert all(row[3] > 0 for row in speeds)
+    flips = tables["greedy flips vs plain (first concurrency)"]["rows"]
+    assert [row[:2] for row in flips] == [["code-edit", 4], ["open-chat", 4]]
