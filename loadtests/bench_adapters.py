@@ -1,0 +1,100 @@
+"""Decode tok/s of one batch of 8 sequences mixing LoRA adapters (issue 36, item 4).
+
+Each case decodes the same 8 prompts together, greedy, ``--steps`` tokens after a
+shared-length prompt: all on the base; all on one adapter; 4 distinct adapters
+(2 rows each); 8 distinct adapters (one row each). The adapted layers gather each
+row's A and B (``engines/lora/multi_lora.py``): no weights fused, no batch split.
+Target: 8 distinct adapters >= 0.8x the single-adapter batch's tok/s. Also: the
+time to load one adapter (``AdapterSet.load``) and the first token after it.
+
+    .venv/bin/python loadtests/bench_adapters.py               # SmolLM2-135M
+    .venv/bin/python loadtests/bench_adapters.py --model tiny --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.utils import load  # noqa: E402
+
+from engines.lora.adapter_set import AdapterSet  # noqa: E402
+from engines.lora.random_adapter import write_random_adapter  # noqa: E402
+from engines.model_store import ensure_default_model, ensure_tiny_model  # noqa: E402
+from tests.conftest import model_cache_root  # noqa: E402
+
+BATCH = 8
+PROMPT_TOKENS = 64
+
+
+def decode_tok_s(model, served: AdapterSet, names: list[str | None], steps: int) -> float:
+    prompts = mx.array([[1 + (row * 131 + i * 7) % 5000 for i in range(PROMPT_TOKENS)]
+                        for row in range(BATCH)])  # fmt: skip
+    served.use(names)
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(prompts, cache=cache)[:, -1], axis=-1)
+    mx.eval(token)
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(token)
+    return BATCH * steps / (time.perf_counter() - start)
+
+
+def cases() -> dict[str, list[str | None]]:
+    return {
+        "base x8": [None] * BATCH,
+        "1 adapter x8": ["a0"] * BATCH,
+        "4 adapters x2": [f"a{row % 4}" for row in range(BATCH)],
+        "8 adapters x1": [f"a{row}" for row in range(BATCH)],
+    }
+
+
+def first_token_after_load(model, served: AdapterSet, path: Path) -> tuple[float, float]:
+    start = time.perf_counter()
+    served.load("fresh", path)
+    loaded = time.perf_counter()
+    served.use(["fresh"])
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=make_prompt_cache(model)))
+    return loaded - start, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=8)
+    args = parser.parse_args()
+    ensure = ensure_default_model if args.model == "smollm2" else ensure_tiny_model
+    model, _ = load(str(ensure(root=model_cache_root())))
+    served = AdapterSet(model)
+    with tempfile.TemporaryDirectory() as root:
+        for seed in range(BATCH + 1):
+            write_random_adapter(model, Path(root) / f"a{seed}", seed=seed, rank=args.rank)
+        for seed in range(BATCH):
+            served.load(f"a{seed}", Path(root) / f"a{seed}")
+        figures = {name: max(decode_tok_s(model, served, rows, args.steps)
+                             for _ in range(args.repeats))
+                   for name, rows in cases().items()}  # fmt: skip
+        load_s, first_token_s = first_token_after_load(model, served, Path(root) / f"a{BATCH}")
+    print(f"model {args.model}, batch {BATCH}, {args.steps} steps, rank {args.rank}, "
+          f"best of {args.repeats}")
+    for name, tok_s in figures.items():
+        print(f"  {name:<15} {tok_s:8.1f} tok/s")
+    ratio = figures["8 adapters x1"] / figures["1 adapter x8"]
+    print(f"8 distinct / 1 adapter: {ratio:.2f}x (target >= 0.8x)")
+    print(f"load_lora_adapter: {load_s * 1000:.1f} ms; first token after it: "
+          f"{first_token_s * 1000:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
