@@ -5,17 +5,61 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+# `scripts/test.sh --quick` runs `-m quick`: the pure core, the router's parts, the contracts and
+# the repository checks, in this process (no node processes, no network namespaces).
+QUICK_PATHS = ("mlxcel_plugin", "router_plugin", "contracts", "deploy", "test_code_size.py",
+               "test_layering.py", "test_doc_citations.py")
+NOT_QUICK = ("mlxcel_plugin/testing/test_netns.py",)
+
+
+def _is_quick(path: Path) -> bool:
+    relative = path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else ""
+    return relative.split("/")[0] in QUICK_PATHS and relative not in NOT_QUICK
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m quick``, the other modules are not even imported (MLX, litellm, locust)."""
+    if config.getoption("markexpr") != "quick" or collection_path.parent != TESTS:
+        return None
+    if collection_path.name in ("conftest.py", "__init__.py"):
+        return None
+    return None if _is_quick(collection_path) else True
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_quick(item.path):
+            item.add_marker(pytest.mark.quick)
 
 
 def model_cache_root() -> Path:
     """``MLXCEL_CACHE_DIR`` when set, else the repo's git-ignored ``.cache/``."""
     env = os.environ.get("MLXCEL_CACHE_DIR")
     return Path(env) if env else REPO / ".cache" / "mlxcel"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_reuse_probe_per_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Engines started by this run, in process or as nodes, keep the reuse probe's answer here.
+
+    A node probes its model once (5-12 s) and every later start of the same model and settings
+    reads the answer (engines/prefix/probe_cache.py); the directory is this run's own, shared by
+    pytest-xdist's workers, so no run depends on what an earlier one left behind.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory = shared / "reuse-probe"
+    directory.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXCEL_PROBE_CACHE_DIR", str(directory))
+        yield directory
 
 
 @pytest.fixture(scope="session")
