@@ -6,7 +6,8 @@ by the router when its tokenizer or chat template differs from the router's; a
 pair (prefill, decode) is refused when the decode node cannot take the prefill
 node's KV (``compatibility.kv_refusal``); a pair whose KV converts on the way
 (another dtype; plain K/V to a ``kv_bits`` decode node) is formed and says how
-(``conversions_of``); a pair whose handoff was refused at run time cools down with backoff. Each refusal is counted once, by reason.
+(``conversions_of``); a pair whose handoff was refused at run time cools down
+with backoff. Each refusal is counted once, by reason.
 """
 
 from __future__ import annotations

@@ -111,4 +111,6 @@ def test_a_compatible_target_gets_its_handoff() -> None:
     engine_layers = FakeEngine().info.fingerprint["num_layers"]
     frames, links = run_one(target_layers=engine_layers)
     assert len(links.started) == 1
-    assert not any(f.type is FrameType.ERROR for f in frames)
+    # (the node closing then cancels that handoff: no acks come from stub links)
+    assert not any(ErrorFrame.from_frame(f).code == INCOMPATIBLE for f in frames
+                   if f.type is FrameType.ERROR)
