@@ -144,6 +144,9 @@ def _feed(api: str, event: dict[str, Any], turn: Turn, now_s: float) -> None:
             usage = event["usage"]
             turn.cached_tokens = usage["cache_read_input_tokens"]
             turn.prompt_tokens = usage["input_tokens"] + turn.cached_tokens
+    if event.get("type") in ("response.failed", "error"):  # an error after the stream began
+        failure = event.get("response", {}).get("error") or event.get("error") or event
+        turn.error = json.dumps(failure)[:300]
     if text and turn.ttft_s is None:
         turn.ttft_s = now_s
     turn.text += text
@@ -162,8 +165,8 @@ def send(client: httpx.Client, url: str, api: str, path: str, body: dict[str, An
     except httpx.HTTPError as exc:
         turn.error = f"{type(exc).__name__}: {exc}"
         return turn
-    turn.ok = turn.prompt_tokens is not None
-    turn.error = None if turn.ok else "the stream carried no usage"
+    turn.ok = turn.prompt_tokens is not None and turn.error is None
+    turn.error = turn.error or (None if turn.ok else "the stream carried no usage")
     return turn
 
 
