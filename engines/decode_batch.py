@@ -190,6 +190,10 @@ class _Group:
         return int(sum(c.nbytes for c in self.caches))
 
 
+def _nothing(sequences: list[Sequence]) -> None:
+    return None
+
+
 class DecodeBatch:
     """Sequences decoded together, one token each per :meth:`step`.
 
@@ -201,6 +205,8 @@ class DecodeBatch:
         self.model = model
         self._head = vocab_head(model)
         self._groups: list[_Group] = []
+        # Called with a group's sequences before its forward (engines/lora: their adapters).
+        self.before_group: Callable[[list[Sequence]], None] = _nothing
 
     def __len__(self) -> int:
         return sum(len(g.sequences) for g in self._groups)
@@ -282,12 +288,17 @@ class DecodeBatch:
         """Next-token logits of every group, in order (lazy)."""
         groups = self._groups
         if len(groups) == 1:
+            self.before_group(groups[0].sequences)
             return self.model(groups[0].inputs(), cache=groups[0].caches)[:, -1, :]
         if self._head is None:
-            rows = [self.model(g.inputs(), cache=g.caches)[:, -1, :] for g in groups]
+            rows = [self._group_forward(self.model, g) for g in groups]
             return mx.concatenate(rows)
-        hidden = [self.model.model(g.inputs(), cache=g.caches)[:, -1, :] for g in groups]
+        hidden = [self._group_forward(self.model.model, g) for g in groups]
         return self._head(mx.concatenate(hidden))
+
+    def _group_forward(self, forward: Callable[..., mx.array], group: _Group) -> mx.array:
+        self.before_group(group.sequences)
+        return forward(group.inputs(), cache=group.caches)[:, -1, :]
 
     @property
     def nbytes(self) -> int:

@@ -54,6 +54,9 @@ def make_parser() -> argparse.ArgumentParser:
     add("--decode-balancer", help="decode pool balancer (a registered name)")
     add("--prefix-cache-bytes", type=int,
         help="prompt KV kept across requests, in bytes (default 1 GiB; 0 disables)")
+    add("--adapter", dest="adapters", action="append",
+        help="hybrid: serve the LoRA adapter at PATH (mlx-lm format) as model NAME: "
+             "NAME=PATH[@BASE] (repeatable)")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
     add("--api-key", dest="api_keys", action="append",
         help="hybrid/router: require Authorization: Bearer KEY on /v1/* (repeatable)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from mlxcel_plugin.adapter_specs import parse_adapter_spec
 from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheConfig
 from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.speculative.settings import METHODS, SpeculativeConfig
@@ -99,6 +100,7 @@ ENGINE_SECTION = "engine"
 PREFIX_CACHE_SECTION = "prefix_cache"
 PREFIX_CACHE_BYTES_ENV = "MLXCEL_PREFIX_CACHE_BYTES"
 PREFIX_CACHE_BYTES_FLAG = "prefix_cache_bytes"  # --prefix-cache-bytes
+ADAPTERS_FLAG = "adapters"  # --adapter, repeatable
 SPECULATIVE_SECTION = "speculative"
 
 
@@ -198,6 +200,7 @@ def build_config(
     env = os.environ if env is None else env
     cli_values = dict(cli_values)
     prefix_cache_bytes = cli_values.pop(PREFIX_CACHE_BYTES_FLAG, None)
+    adapters = tuple(cli_values.pop(ADAPTERS_FLAG, ()))
     config = _apply(ServerConfig(), _env_values(env), "env")
     toml_path = cli_values.get("distributed_config") or config.distributed_config
     engine_values: dict[str, Any] = {}
@@ -214,10 +217,15 @@ def build_config(
     if "warmup" in cli_values:
         engine_values["warmup"] = config.warmup
     engine_values.setdefault("warmup", config.warmup)
+    # "NAME=PATH" strings, not addresses: kept out of the generic tuple coercion.
+    adapters = adapters or tuple(str(a) for a in engine_values.pop(ADAPTERS_FLAG, ()))
     engine_config = dataclass_from_mapping(EngineConfig, engine_values, "[engine]")
     prefix_cache = prefix_cache_config(env, prefix_toml, prefix_cache_bytes)
     engine_config = replace(engine_config, prefix_cache=prefix_cache,
                             speculative=speculative_config(speculative_toml))
+    for spec in adapters:
+        parse_adapter_spec(spec)  # a bad one fails at start, before any model loads
+    engine_config = replace(engine_config, adapters=adapters)
     config = replace(config, engine_config=engine_config, warmup=engine_config.warmup)
     return validate(config)
 

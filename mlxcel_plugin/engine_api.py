@@ -88,6 +88,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Extra stop ids on top of the model's EOS ids.
     stop_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter the request runs with (engines/lora); None: the base model.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,8 @@ class EngineConfig:
     warmup: bool = True
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # LoRA adapters served at start, "NAME=PATH[@BASE]" (--adapter; mlxcel_plugin/adapter_specs).
+    adapters: tuple[str, ...] = ()
 
 
 EmitToken = Callable[[TokenEvent], None]

@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from mlxcel_plugin.adapter_specs import check_bases, parse_adapter_spec
 from mlxcel_plugin.balancer_api import Balancer
 from mlxcel_plugin.compatibility import NodeProfile
 from mlxcel_plugin.config import dataclass_from_mapping
@@ -62,6 +63,13 @@ def served_model_name(config: Any) -> str:
     return config.served_model_name or Path(_model_dir(config)).name
 
 
+def adapter_names(config: Any) -> dict[str, str]:
+    """``--adapter`` names -> their base: each is a model a request may name."""
+    specs = [parse_adapter_spec(text) for text in config.engine_config.adapters]
+    check_bases(specs, served_model_name(config))
+    return {spec.name: served_model_name(config) for spec in specs}
+
+
 def _engine_lifespan(engine: Engine) -> Any:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -88,6 +96,7 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
         lifespan=_engine_lifespan(engine),
         options=FrontOptions.from_config(config),
     )
+    app.state.front.adapters = adapter_names(config)
     register_prefix_cache(app.state.front.metrics.registry, lambda: engine.stats().prefix_cache)
     register_speculative(app.state.front.metrics.registry, lambda: engine.stats().speculative)
     return app

@@ -50,7 +50,8 @@ class SpeculativeBatch(DecodeBatch):
             self._proposals = [[] for _ in sequences]
             self._widths = []
             return [row[None] for row in self.step()]
-        rows, self._widths = verify_rows(self.model, self._head, self._groups, self._proposals)
+        rows, self._widths = verify_rows(self.model, self._head, self._groups, self._proposals,
+                                       self.before_group)
         return rows
 
     def _propose(self, sequence: Sequence) -> list[int]:

@@ -36,7 +36,9 @@ def row_blocks(last_tokens: Sequence[int], proposals: Sequence[list[int]]) -> mx
 
 
 def verify_rows(model: nn.Module, head: Callable | None, groups: list[Any],
-                proposals: list[list[int]]) -> tuple[list[np.ndarray], list[int]]:
+                proposals: list[list[int]],
+                before_group: Callable[[list[Any]], None] | None = None,
+                ) -> tuple[list[np.ndarray], list[int]]:
     """One forward for every group: per sequence (batch order) float32 logits ``[1 + k, V]``,
     and each group's width (rows fed per sequence)."""
     outputs, widths, start = [], [], 0
@@ -44,6 +46,8 @@ def verify_rows(model: nn.Module, head: Callable | None, groups: list[Any],
         mine = proposals[start : start + len(group.sequences)]
         start += len(group.sequences)
         inputs = row_blocks([s.last_token for s in group.sequences], mine)
+        if before_group is not None:  # DecodeBatch.before_group: the rows' adapters
+            before_group(group.sequences)
         out = model(inputs, cache=group.caches) if head is None else model.model(
             inputs, cache=group.caches)
         outputs.append(out.reshape(-1, out.shape[-1]))

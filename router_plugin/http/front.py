@@ -117,6 +117,7 @@ class OpenAIFront:
         self._off_loop = anyio.CapacityLimiter(OFF_LOOP_PLANS)
         self.body_limit = body_limit(self.options.max_request_bytes, self._max_prompt_chars())
         self.markers = tokenizer.filter_markers  # the model's tool markup (text/tool_parsers.py)
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> its base (a request's model)
 
     # routes
 
@@ -133,7 +134,8 @@ class OpenAIFront:
     def models(self) -> dict[str, Any]:
         card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mlxcel",
                 "max_model_len": self.context_length}  # vLLM's name for the context
-        return {"object": "list", "data": [card]}
+        adapters = [{**card, "id": name, "parent": base} for name, base in self.adapters.items()]
+        return {"object": "list", "data": [card, *adapters]}
 
     def health(self) -> JSONResponse:
         if self.backend.is_ready():
@@ -202,7 +204,7 @@ class OpenAIFront:
         )  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
+        if model is not None and model != self.model_id and model not in self.adapters:
             message = f"the model {model!r} does not exist; this server serves {self.model_id!r}"
             raise ModelNotFoundError(message, param="model")
 
@@ -260,8 +262,9 @@ class OpenAIFront:
         param = "messages" if kind == responses.CHAT else "prompt"
         max_tokens = self._max_tokens(len(prompt), common.max_tokens, param)
         prefix = "chatcmpl" if kind == responses.CHAT else "cmpl"
+        adapter = common.model if common.model in self.adapters else None
         meta = responses.ResponseMeta(
-            kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_id,
+            kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), adapter or self.model_id,
             self.system_fingerprint,
         )  # fmt: skip
         request = GenerationRequest(
@@ -270,6 +273,7 @@ class OpenAIFront:
             max_tokens=max(max_tokens, 1),  # 0 (echo alone): one token, never shown
             sampling=common.sampling,
             stop_token_ids=self.tokenizer.eos_token_ids,
+            adapter=adapter,
         )
         pipeline = CompletionPipeline(
             self.tokenizer, max_tokens=max_tokens, stop=common.stop,
