@@ -78,6 +78,11 @@ class CompletionPipeline:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the output (Anthropic's ``stop_sequence``), if one did."""
+        return self._stops.matched
+
     def feed(self, event: TokenEvent) -> TextDelta:
         if self.done:
             return TextDelta()

@@ -13,14 +13,16 @@ class StopStringMatcher:
     def __init__(self, stops: Sequence[str]):
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended the output, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return ``(text safe to emit, whether a stop string was hit)``."""
         if not self._stops:
             return text, False
         buffer = self._held + text
-        cut = self._first_stop(buffer)
-        if cut is not None:
+        found = self._first_stop(buffer)
+        if found is not None:
+            cut, self.matched = found
             self._held = ""
             return buffer[:cut], True
         keep = self._partial_suffix_len(buffer)
@@ -32,9 +34,13 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_stop(self, buffer: str) -> int | None:
-        found = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        return min(found) if found else None
+    def _first_stop(self, buffer: str) -> tuple[int, str] | None:
+        """(where the earliest stop string starts, that string); the first listed on a tie."""
+        found = [(i, n) for n, i in enumerate(buffer.find(s) for s in self._stops) if i >= 0]
+        if not found:
+            return None
+        cut, which = min(found)
+        return cut, self._stops[which]
 
     def _partial_suffix_len(self, buffer: str) -> int:
         longest = min(len(buffer), max(len(s) for s in self._stops) - 1)

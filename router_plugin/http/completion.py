@@ -137,6 +137,11 @@ class Completion:
     def finish_reason(self) -> str | None:
         return self._pipeline.finish_reason
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._pipeline.stop_sequence
+
     def usage(self) -> dict[str, int]:
         """The response's ``usage``: the one place it is assembled (bodies, SSE, LiteLLM)."""
         prompt = len(self.request.prompt_tokens)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxcel_plugin.engine_api import FINISH_LENGTH
+from mlxcel_plugin.engine_api import FINISH_LENGTH, FINISH_STOP
 from mlxcel_plugin.text import FINISH_TOOL_CALLS, TextDelta, ToolCall
 from router_plugin.http import sse
 from router_plugin.http.agent_bridge import delta_parts
@@ -26,12 +26,17 @@ THINKING, TEXT = "thinking", "text"
 _DELTA = {THINKING: "thinking_delta", TEXT: "text_delta"}
 
 
-def stop_reason(finish_reason: str | None) -> str:
+def stop_fields(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` (the ``stop_sequences`` entry that matched)."""
     if finish_reason == FINISH_TOOL_CALLS:
-        return "tool_use"
-    if finish_reason == FINISH_LENGTH:
-        return "max_tokens"
-    return "end_turn"
+        reason = "tool_use"
+    elif finish_reason == FINISH_LENGTH:
+        reason = "max_tokens"
+    elif finish_reason == FINISH_STOP and stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    else:
+        reason = "end_turn"
+    return {"stop_reason": reason, "stop_sequence": None}
 
 
 def usage_body(prompt: int, generated: int, cached: int) -> dict[str, Any]:
@@ -59,9 +64,10 @@ class MessageEvents:
         self.content: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
 
-    def body(self, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self.head, "content": self.content, "stop_reason": stop_reason(finish_reason),
-                "stop_sequence": None, "usage": usage}  # fmt: skip
+    def body(self, finish_reason: str | None, stop_sequence: str | None,
+             usage: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+        return {**self.head, "content": self.content,
+                **stop_fields(finish_reason, stop_sequence), "usage": usage}  # fmt: skip
 
     def start(self, usage: dict[str, Any]) -> list[dict[str, Any]]:
         message = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None,
@@ -82,8 +88,9 @@ class MessageEvents:
                            "delta": {"type": _DELTA[block_kind], block_kind: value}})
         return events
 
-    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        delta = {"stop_reason": stop_reason(finish_reason), "stop_sequence": None}
+    def finish(self, finish_reason: str | None, stop_sequence: str | None,
+               usage: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+        delta = stop_fields(finish_reason, stop_sequence)
         return [*self._close(), {"type": "message_delta", "delta": delta, "usage": usage},
                 {"type": "message_stop"}]  # fmt: skip
 

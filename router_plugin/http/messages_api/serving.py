@@ -114,7 +114,8 @@ class MessagesServing:
         async for delta in completion.deltas():
             events.feed(delta)
         completion.raise_if_failed()
-        return events.body(completion.finish_reason, usage_body(*usage_counts(completion)))
+        return events.body(completion.finish_reason, completion.stop_sequence,
+                           usage_body(*usage_counts(completion)))  # fmt: skip
 
     async def _stream(self, completion: Completion) -> AsyncIterator[bytes]:
         events = MessageEvents(self._head())
@@ -132,5 +133,6 @@ class MessagesServing:
             yield pending + sse_event(error_body(exc.status_code, exc.message))
             return
         usage = usage_body(*usage_counts(completion))
-        yield pending + b"".join(map(sse_event, events.finish(completion.finish_reason, usage)))
+        finish = events.finish(completion.finish_reason, completion.stop_sequence, usage)
+        yield pending + b"".join(map(sse_event, finish))
 

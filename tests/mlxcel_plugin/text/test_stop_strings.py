@@ -46,3 +46,18 @@ def test_stop_at_very_start() -> None:
 
 def test_empty_stop_strings_ignored() -> None:
     assert run([""], ["abc"]) == ("abc", False)
+
+
+def test_the_matched_stop_string_is_named() -> None:
+    matcher = StopStringMatcher(["world", "lo w", "xyz"])
+    assert matcher.matched is None
+    assert matcher.feed("he") == ("he", False)
+    assert matcher.matched is None
+    assert matcher.feed("llo world") == ("l", True)
+    assert matcher.matched == "lo w"  # the earliest in the text, not the first listed
+
+
+def test_a_stop_split_across_pieces_is_named() -> None:
+    matcher = StopStringMatcher(["###"])
+    assert matcher.feed("a#") == ("a", False)
+    assert matcher.feed("##b") == ("", True) and matcher.matched == "###"

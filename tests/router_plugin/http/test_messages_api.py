@@ -154,10 +154,23 @@ async def test_max_tokens_is_required_and_clamped(front) -> None:
 
 async def test_stop_sequences_and_sampling_reach_the_request(front) -> None:
     client, seen = front
-    r = await messages(client, stop_sequences=["there"], temperature=0.5, top_p=0.9, top_k=4)
-    assert r.json()["content"] == [{"type": "text", "text": "Hello "}]
+    r = await messages(client, stop_sequences=["xyz", "there"], temperature=0.5, top_p=0.9,
+                       top_k=4)  # fmt: skip
+    body = r.json()
+    assert body["content"] == [{"type": "text", "text": "Hello "}]
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "there")
     sampling = seen[0].sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.5, 0.9, 4)
+
+
+async def test_a_streamed_stop_sequence_is_named_in_message_delta(front) -> None:
+    client, _ = front
+    events = events_of((await messages(client, stream=True, stop_sequences=["ere."])).text)
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert text == "Hello th"
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "ere."}
+    unmatched = events_of((await messages(client, stream=True, stop_sequences=["zzz"])).text)
+    assert unmatched[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
 
 
 async def test_count_tokens(front) -> None:
