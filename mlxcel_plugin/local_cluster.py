@@ -238,6 +238,10 @@ class LocalCluster:
         return node
 
     def start(self, timeout_s: float = 300.0) -> LocalCluster:
+        return self.launch().wait_healthy(timeout_s)
+
+    def launch(self) -> LocalCluster:
+        """Spawn every node without waiting, so other nodes can start side by side with them."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         if not self.secret_path.exists():
             generate_secret_file(self.secret_path)
@@ -256,6 +260,10 @@ class LocalCluster:
             "router", self.workdir, router_args, env=self.env, port=self.router_port
         )
         self.nodes.append(router)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> LocalCluster:
+        """Every node healthy, or all of them stopped and the first failure raised."""
         try:
             for node in self.nodes:
                 node.wait_healthy(timeout_s)

@@ -77,23 +77,23 @@ def handoff_count(url: str, want: int = len(CASES), timeout_s: float = 30.0) -> 
 def test_cluster_answers_what_a_hybrid_node_does(arch: str, strategy: str, tmp_path: Path):
     model = str(ensure_arch_model(arch, root=model_cache_root()))
     args = ["--model", model, "--served-model-name", MODEL, "--no-warmup"]
-    hybrid = start_node("hybrid", tmp_path, args)
-    try:
-        hybrid.wait_healthy(STARTUP_TIMEOUT_S)
-        expected = bodies(hybrid.url)
-    finally:
-        hybrid.stop()
     toml = tmp_path / "cluster.toml"
     # Every request through a prefill node and a handoff (no decode-local prefill).
     toml.write_text(f'[transfer]\nstrategy = "{strategy}"\nparallelism = 2\n'
                     "[prefix_cache]\nlocal_prefill_tokens = 0\n")
     cluster = LocalCluster(workdir=tmp_path, model=model, common_args=[
         "--served-model-name", MODEL, "--no-warmup", "--distributed-config", str(toml)])
-    cluster.start(STARTUP_TIMEOUT_S)
+    # The reference node and the cluster start side by side: one wait for start-up, not two.
+    hybrid = start_node("hybrid", tmp_path, args)
     try:
+        cluster.launch()
+        hybrid.wait_healthy(STARTUP_TIMEOUT_S)
+        cluster.wait_healthy(STARTUP_TIMEOUT_S)
+        expected = bodies(hybrid.url)
         routed = bodies(cluster.router.url)
         handoffs = handoff_count(cluster.pool("prefill")[0].url)
     finally:
+        hybrid.stop()
         cluster.stop()
     for case, want, got in zip(CASES, expected, routed, strict=True):
         assert got == want, case
