@@ -4,7 +4,9 @@
 #   scripts/test.sh --quick   the pure core, the router's parts, the contracts and the repository
 #                             checks, in process: no node processes, no models served
 #                             (pytest -m quick; tests/conftest.py says which paths)
-# Any other arguments go to pytest.
+# Any other arguments go to pytest, e.g. `-n 2 --dist loadfile` for pytest-xdist workers (a
+# module stays on one worker, so its cluster fixtures start once; free_port gives each worker
+# its own ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 selection=()
