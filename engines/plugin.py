@@ -20,7 +20,7 @@ def make_mlx_engine(model_path: str, config: EngineConfig):  # -> engines.mlx_en
         from engines.sharding.ranks import lead
 
         return lead(model_path, config, group)
-    if config.adapters:  # LoRA adapters: the engine that selects them per row
+    if config.enable_lora:  # LoRA adapters: the engine that selects them per row
         from engines.lora.engine import LoraMlxEngine
 
         return LoraMlxEngine.from_path(model_path, config)

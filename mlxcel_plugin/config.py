@@ -101,6 +101,7 @@ PREFIX_CACHE_SECTION = "prefix_cache"
 PREFIX_CACHE_BYTES_ENV = "MLXCEL_PREFIX_CACHE_BYTES"
 PREFIX_CACHE_BYTES_FLAG = "prefix_cache_bytes"  # --prefix-cache-bytes
 ADAPTERS_FLAG = "adapters"  # --adapter, repeatable
+ENABLE_LORA_FLAG = "enable_lora"  # --enable-lora
 SPECULATIVE_SECTION = "speculative"
 
 
@@ -201,6 +202,7 @@ def build_config(
     cli_values = dict(cli_values)
     prefix_cache_bytes = cli_values.pop(PREFIX_CACHE_BYTES_FLAG, None)
     adapters = tuple(cli_values.pop(ADAPTERS_FLAG, ()))
+    enable_lora = cli_values.pop(ENABLE_LORA_FLAG, False)
     config = _apply(ServerConfig(), _env_values(env), "env")
     toml_path = cli_values.get("distributed_config") or config.distributed_config
     engine_values: dict[str, Any] = {}
@@ -225,7 +227,8 @@ def build_config(
                             speculative=speculative_config(speculative_toml))
     for spec in adapters:
         parse_adapter_spec(spec)  # a bad one fails at start, before any model loads
-    engine_config = replace(engine_config, adapters=adapters)
+    engine_config = replace(engine_config, adapters=adapters,
+                            enable_lora=bool(enable_lora or adapters or engine_config.enable_lora))
     config = replace(config, engine_config=engine_config, warmup=engine_config.warmup)
     return validate(config)
 

@@ -252,6 +252,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # LoRA adapters served at start, "NAME=PATH[@BASE]" (--adapter; mlxcel_plugin/adapter_specs).
     adapters: tuple[str, ...] = ()
+    # Adapters may be loaded at run time (POST /v1/load_lora_adapter), as vLLM's --enable-lora.
+    enable_lora: bool = False
 
 
 EmitToken = Callable[[TokenEvent], None]

@@ -41,6 +41,7 @@ from router_plugin.cluster.stream_bridge import DECODE, PREFILL
 from router_plugin.discovery import discover_pools
 from router_plugin.discovery.membership import with_membership
 from router_plugin.discovery.wiring import attach_discovery
+from router_plugin.http.adapters_api import install_adapter_routes
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.drain import DrainGate, DrainingServer
 from router_plugin.http.front import make_app
@@ -97,6 +98,7 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
         options=FrontOptions.from_config(config),
     )
     app.state.front.adapters = adapter_names(config)
+    install_adapter_routes(app, engine, served_model_name(config))
     register_prefix_cache(app.state.front.metrics.registry, lambda: engine.stats().prefix_cache)
     register_speculative(app.state.front.metrics.registry, lambda: engine.stats().speculative)
     return app

@@ -32,6 +32,7 @@ class AdapterSet:
         self.model = model
         self.rows = AdapterRows()
         self.loaded: dict[str, LoadedAdapter] = {}
+        self.retiring: set[str] = set()  # unloaded by name, still decoding for running requests
         self._layers: dict[str, MultiLoRALinear] = {}
         self._touched: dict[str, tuple[str, ...]] = {}  # adapter name -> its module paths
 
@@ -44,6 +45,7 @@ class AdapterSet:
             raise ConfigError(f"adapter {path}: the model has no layer {missing[0]}")
         if name in self.loaded:
             self.unload(name)
+        self.retiring.discard(name)
         slot = self._free_slot()
         try:
             self._put(files, slot, modules)
@@ -59,6 +61,12 @@ class AdapterSet:
         if adapter is None:
             raise ModelNotFoundError(f"the adapter {name!r} is not loaded", param="lora_name")
         self._drop(name, adapter.slot, self._touched.pop(name))
+
+    def retire(self, name: str) -> None:
+        """No new request may name it; running ones keep it until ``unload``."""
+        if name not in self.loaded:
+            raise ModelNotFoundError(f"the adapter {name!r} is not loaded", param="lora_name")
+        self.retiring.add(name)
 
     def use(self, names: list[str | None]) -> None:
         """The adapter of each row of the next forward (None: the base)."""

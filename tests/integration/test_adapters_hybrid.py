@@ -11,6 +11,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -83,3 +84,37 @@ def test_adapters_on_a_hybrid_node(tiny_model_path: Path, tmp_path: Path) -> Non
     finally:
         for process in started:
             process.stop()
+
+
+def test_load_and_unload_at_run_time(tiny_model_path: Path, tmp_path: Path) -> None:
+    adapters = write_adapters(tiny_model_path, tmp_path)
+    node = start_node("hybrid", tmp_path, ["--model", str(tiny_model_path), "--no-warmup",
+                                           "--served-model-name", BASE, "--enable-lora",
+                                           "--api-key", "k"])  # fmt: skip
+    try:
+        node.wait_healthy(STARTUP_TIMEOUT_S)
+        keyed = httpx.Client(base_url=node.url, timeout=60,
+                             headers={"Authorization": "Bearer k"})  # fmt: skip
+        body = {"lora_name": "a0", "lora_path": str(adapters[0])}
+        assert httpx.post(f"{node.url}/v1/load_lora_adapter", json=body).status_code == 401
+        bad = keyed.post("/v1/load_lora_adapter", json={**body, "lora_path": "/nowhere"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        loaded = keyed.post("/v1/load_lora_adapter", json=body)
+        assert loaded.status_code == 200 and loaded.json()["digest"]
+        client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="k", max_retries=0)
+        ask = {"messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0}
+        adapted = client.chat.completions.create(model="a0", max_tokens=16, **ask)
+        base = client.chat.completions.create(model=BASE, max_tokens=16, **ask)
+        assert adapted.choices[0].message.content != base.choices[0].message.content
+        # A long stream on a0 while it is unloaded: it runs to its end on a0.
+        stream = client.chat.completions.create(model="a0", max_tokens=200, stream=True, **ask)
+        first = next(iter(stream))
+        assert keyed.post("/v1/unload_lora_adapter", json={"lora_name": "a0"}).status_code == 200
+        rest = list(stream)
+        assert first.choices[0].delta is not None and rest[-1].choices[0].finish_reason
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="a0", max_tokens=4, **ask)
+        again = keyed.post("/v1/unload_lora_adapter", json={"lora_name": "a0"})
+        assert again.status_code == 404
+    finally:
+        node.stop()
