@@ -15,4 +15,4 @@ if [ "${1:-}" = --quick ]; then
   selection=(-m quick)
 fi
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m pytest -q "${selection[@]}" "$@"
+exec .venv/bin/python -m pytest -q ${selection[@]+"${selection[@]}"} "$@"
