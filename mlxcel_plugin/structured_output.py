@@ -37,13 +37,17 @@ class GrammarSpec:
     otherwise such keywords are ignored (the output may then not validate).
     """
 
-    kind: str  # "json_object" | "json_schema"
+    kind: str  # "json_object" | "json_schema" | "tool_call" (mlxcel_plugin/tool_choice.py)
     schema: dict[str, Any] | None = None
     strict: bool = False
     name: str | None = None
+    # "tool_call": the model's tool-call markup around the JSON call, e.g. <tool_call>...
+    wrap: tuple[str, str] | None = None
 
     def to_text(self) -> str:
         data = {"type": self.kind, "schema": self.schema, "strict": self.strict, "name": self.name}
+        if self.wrap is not None:
+            data["wrap"] = list(self.wrap)
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -58,6 +62,9 @@ class GrammarSpec:
         kind = data.get("type")
         if kind == "json_object":
             return cls("json_object")
+        if kind == "tool_call":
+            return cls(kind, _schema(data.get("schema")), name=data.get("name"),
+                       wrap=_wrap(data.get("wrap")))  # fmt: skip
         if kind != "json_schema":
             raise InvalidRequestError(f"unknown grammar kind {kind!r:.40}", param=PARAM)
         return cls("json_schema", _schema(data.get("schema")), bool(data.get("strict")),
@@ -66,6 +73,8 @@ class GrammarSpec:
     def llguidance_grammar(self) -> str:
         """The llguidance grammar (its JSON) for this spec."""
         schema = {"type": "object"} if self.schema is None else self.schema
+        if self.wrap is not None:
+            return _tool_call_grammar(schema, self.wrap)
         overrides = {"lenient": not self.strict}
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults=_COMPILE_DEFAULTS, overrides=overrides
@@ -124,6 +133,32 @@ def _schema(value: Any) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise _bad("'schema' must be a JSON Schema object", ".json_schema.schema")
     return value
+
+
+def _wrap(value: Any) -> tuple[str, str]:
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+        raise InvalidRequestError("a tool_call grammar spec needs 'wrap': [open, close]",
+                                  param="tool_choice")  # fmt: skip
+    return value[0], value[1]
+
+
+def _tool_call_grammar(schema: dict[str, Any], wrap: tuple[str, str]) -> str:
+    """Lark: ``open`` ``{"name":NAME,"arguments":ARGS}`` ``close``, one branch per tool.
+
+    ``schema["calls"]`` maps each allowed name to its arguments' schema. The
+    call's keys are literals, so ``name`` comes first whatever order the
+    canonical (sorted) spec text gives them; the arguments are compact JSON
+    under the tool's schema, keywords the engine lacks ignored.
+    """
+    options = {"x-guidance": {**_COMPILE_DEFAULTS, "lenient": True}}
+    lines = [f"start: {json.dumps(wrap[0])} call {json.dumps(wrap[1])}"]
+    calls = dict(schema.get("calls") or {})
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(calls))))
+    for i, (name, arguments) in enumerate(calls.items()):
+        head = json.dumps({"name": name}, separators=(",", ":"))[:-1] + ',"arguments":'
+        lines.append(f'call_{i}: {json.dumps(head)} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {json.dumps({**arguments, **options})}")
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines) + "\n")
 
 
 def _bad(message: str, where: str = "") -> InvalidRequestError:

@@ -68,6 +68,11 @@ class TextConfig(_Open):
     format: TextFormat | None = None
 
 
+class ResponsesNamedToolChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesTool(_Open):
     """``function`` tools; hosted tool types (``web_search`` ...) are skipped."""
 
@@ -87,7 +92,8 @@ class ResponsesRequest(_Open):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     tools: list[ResponsesTool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedToolChoice | None = Field(
+        None, description="'required' or a named function: one call, forced by a grammar")
     text: TextConfig | None = None
 
 
@@ -159,7 +165,10 @@ class AnthropicTool(_Open):
 
 
 class AnthropicToolChoice(_Open):
-    type: Literal["auto", "none"]
+    """``any``/``tool`` force one call (on the grammar engine); ``tool`` needs ``name``."""
+
+    type: Literal["auto", "none", "any", "tool"]
+    name: str | None = None
 
 
 class CountTokensRequest(_Open):

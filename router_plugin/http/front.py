@@ -65,6 +65,7 @@ from router_plugin.http.openai_schema import (
     CommonParams,
     parse_chat_request,
     parse_completion_request,
+    with_forced_tool_call,
 )
 from router_plugin.http.openapi_models import ROUTE_DOCS, install_openapi
 from router_plugin.http.options import FrontOptions
@@ -186,6 +187,7 @@ class OpenAIFront:
                   in_thread: bool = False) -> Completion:  # fmt: skip
         """Chat template, tokens, stream filter and budget (shared with the LiteLLM provider)."""
         self._check_model(params.common.model)
+        params = with_forced_tool_call(params, self.tokenizer.tool_parser)
         content = (m["content"] for m in params.messages if isinstance(m["content"], str))
         self._check_size(sum(map(len, content)), "messages")
         prompt_text = self.tokenizer.render_chat(

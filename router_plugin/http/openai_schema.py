@@ -19,6 +19,8 @@ from mlxcel_plugin.errors import InvalidRequestError
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
 from mlxcel_plugin.speculative.settings import METHODS as SPECULATIVE_METHODS
 from mlxcel_plugin.structured_output import parse_response_format
+from mlxcel_plugin.text.tool_parsers import ToolParser
+from mlxcel_plugin.tool_choice import forced_tool_names, tool_call_grammar
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -48,6 +50,7 @@ class ChatParams:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    forced_tools: tuple[str, ...] | None = None  # tool_choice "required"/named: call one of these
 
 
 @dataclass(frozen=True)
@@ -290,11 +293,20 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise _bad("tool_choice", "only 'auto' and 'none' are supported")
     if tools is not None and not (isinstance(tools, list) and all(map(_is_tool, tools))):
         raise _bad("tools", "expected a list of {'type': 'function', 'function': {'name': ...}}")
     return None if choice == "none" else tools or None
+
+
+def with_forced_tool_call(params: ChatParams, parser: ToolParser) -> ChatParams:
+    """``params`` whose sampling grammar forces the call ``tool_choice`` asks for, if it does."""
+    if params.forced_tools is None:
+        return params
+    if params.common.sampling.grammar is not None:
+        raise _bad("tool_choice", "a forced tool call cannot be combined with 'response_format'")
+    grammar = tool_call_grammar(params.forced_tools, params.tools or [], parser)
+    common = replace(params.common, sampling=replace(params.common.sampling, grammar=grammar))
+    return replace(params, common=common)
 
 
 def _is_tool(tool: Any) -> bool:
@@ -317,11 +329,13 @@ def parse_chat_request(body: dict[str, Any]) -> ChatParams:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise _bad("chat_template_kwargs", f"cannot set {', '.join(reserved)}")
+    tools = _tools(body)
     return ChatParams(
         common=_common(body, _chat_logprobs(body)),
         messages=[_message(m, i) for i, m in enumerate(messages)],
-        tools=_tools(body),
+        tools=tools,
         template_kwargs=kwargs,
+        forced_tools=forced_tool_names(body.get("tool_choice"), tools),
     )
 
 

@@ -66,6 +66,13 @@ class Tool(_Open):
     function: FunctionDefinition
 
 
+class NamedToolChoice(BaseModel):
+    """Force a call to this function (on the grammar engine)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class StreamOptions(_Open):
     include_usage: bool | None = None
 
@@ -104,7 +111,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
+        None, description="'required' or a named function: one call, forced by a grammar")
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = Field(None, description="each token's raw model logprob")

@@ -146,12 +146,19 @@ def chat_tools(value: Any, skip_hosted: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def tool_choice(value: Any) -> str | None:
+def tool_choice(value: Any) -> str | dict[str, Any] | None:
+    """Anthropic's ``tool_choice`` as chat's: ``any`` is "required", ``tool`` a named function."""
+    kind = value.get("type") if isinstance(value, dict) else None
     if value is None:
         return None
-    if isinstance(value, dict) and value.get("type") in ("auto", "none"):
-        return value["type"]
-    raise bad("tool_choice", "only {'type': 'auto'} and {'type': 'none'} are supported")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise bad("tool_choice", "expected {'type': 'auto'|'none'|'any'} or "
+              "{'type': 'tool', 'name': ...}")  # fmt: skip
 
 
 def _check_sampling(body: dict[str, Any]) -> None:

@@ -145,10 +145,15 @@ def chat_tools(value: Any, skip_hosted: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def tool_choice(value: Any) -> str | None:
-    if value is None or value in ("auto", "none"):
+def tool_choice(value: Any) -> str | dict[str, Any] | None:
+    """Responses' ``tool_choice`` as chat's (``{"type": "function", "name"}`` is flat here)."""
+    if value is None or value in ("auto", "none", "required"):
         return value
-    raise bad("tool_choice", "only 'auto' and 'none' are supported")
+    if (isinstance(value, dict) and value.get("type") == "function"
+            and isinstance(value.get("name"), str)):  # fmt: skip
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise bad("tool_choice", "expected 'auto', 'none', 'required' or "
+              "{'type': 'function', 'name': ...}")  # fmt: skip
 
 
 def response_format(text: Any) -> dict[str, Any] | None:

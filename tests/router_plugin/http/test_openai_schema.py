@@ -121,12 +121,25 @@ def test_tool_choice_none_drops_tools() -> None:
         ("model", {"model": 3}),
         ("tools", {"tools": [{"type": "function"}]}),
         ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                         "tool_choice": "required"}),
+                         "tool_choice": "sometimes"}),
+        ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                         "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+        ("tool_choice", {"tool_choice": "required"}),
         ("chat_template_kwargs", {"chat_template_kwargs": [1]}),
     ],
 )  # fmt: skip
 def test_bad_chat_fields(param: str, extra: dict) -> None:
     bad(param, {"messages": USER, **extra})
+
+
+def test_a_forced_tool_choice_names_the_tools_to_call() -> None:
+    tools = [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    required = parse_chat_request({"messages": USER, "tools": tools, "tool_choice": "required"})
+    assert required.forced_tools == ("f", "g")
+    named = {"type": "function", "function": {"name": "g"}}
+    assert parse_chat_request({"messages": USER, "tools": tools,
+                               "tool_choice": named}).forced_tools == ("g",)  # fmt: skip
+    assert parse_chat_request({"messages": USER, "tools": tools}).forced_tools is None
 
 
 def test_response_format_text_is_fine() -> None:

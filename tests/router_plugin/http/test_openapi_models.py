@@ -83,7 +83,7 @@ async def test_answers_match_their_models(client) -> None:
 async def test_requests_the_schema_refuses_are_refused(client) -> None:
     schema = (await client.get("/openapi.json")).json()
     check = validator(schema, "ChatCompletionRequest")
-    for body in ({"messages": USER, "tool_choice": "required"},
+    for body in ({"messages": USER, "tool_choice": "sometimes"},
                  {"messages": USER, "chat_template_kwargs": []},
                  {"messages": USER, "tools": [{"type": "web", "function": {"name": "f"}}]},
                  {"messages": [{"role": "user", "content": "a", "tool_call_id": 3}]}):  # fmt: skip
