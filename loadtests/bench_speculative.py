@@ -119,6 +119,7 @@ def measure(engines: dict[str, MlxEngine], name: str, prompts: list[tuple[int, .
         if streams == concurrency[0]:
             figures.flips = [first_difference(p, s) for p, s in zip(outputs["plain"],
                                                                    outputs["ngram"], strict=True)]
+            print(f"   {name}: first differences from plain greedy {figures.flips}", flush=True)
 
 
 def load_engines(model: str) -> dict[str, MlxEngine]:
