@@ -1,5 +1,8 @@
 """``examples/litellm/config.yaml`` runs as shipped: the real proxy, that file, unchanged.
 
+Chat completions, LiteLLM's ``/v1/responses`` and ``/v1/messages`` (bridged by LiteLLM
+onto the mlxcel provider's chat completion), plain and streamed, through the SDKs.
+
 The cluster is started where the config points (prefill 127.0.0.1:9101, decode
 127.0.0.1:9201, ``cluster.secret`` in the proxy's working directory); the
 model comes from ``MLXCEL_MODEL`` as the config's comment says. docs/litellm.md
@@ -15,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import yaml
@@ -71,6 +75,37 @@ def example_cluster(tiny_model_path: Path, tmp_path_factory) -> Iterator[Path]:
             node.stop()
 
 
+def check_responses(client: openai.OpenAI, name: str) -> None:
+    """LiteLLM's ``/v1/responses``, bridged onto the provider's chat completion."""
+    response = client.responses.create(model=name, input="Hi", max_output_tokens=8)
+    assert response.status == "completed" or response.incomplete_details is not None
+    assert response.output and response.output[0].type == "message"
+    assert response.usage.output_tokens >= 1
+    events = list(client.responses.create(model=name, input="Hi", max_output_tokens=8,
+                                          stream=True))  # fmt: skip
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created", kinds
+    assert "response.output_text.delta" in kinds, kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert events[-1].response.usage.output_tokens >= 1
+
+
+def check_messages(url: str, key: str, name: str) -> None:
+    """LiteLLM's ``/v1/messages`` (Anthropic's SDK), bridged onto the provider's chat."""
+    with anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60) as client:
+        message = client.messages.create(model=name, max_tokens=8,
+                                         messages=[{"role": "user", "content": "Hi"}])
+        assert message.stop_reason in ("end_turn", "max_tokens")
+        assert message.content[0].type == "text" and message.usage.output_tokens >= 1
+        events = list(client.messages.create(model=name, max_tokens=8, stream=True,
+                                             messages=[{"role": "user", "content": "Hi"}]))
+        kinds = [event.type for event in events]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+        assert "content_block_delta" in kinds, kinds
+        delta = next(e for e in events if e.type == "message_delta")
+        assert delta.delta.stop_reason in ("end_turn", "max_tokens"), kinds
+
+
 def test_proxy_serves_with_the_shipped_config(example_cluster: Path, tiny_model_path) -> None:
     port = free_port()
     argv = [str(Path(sys.executable).parent / "litellm"), "--config", str(CONFIG),
@@ -102,5 +137,7 @@ def test_proxy_serves_with_the_shipped_config(example_cluster: Path, tiny_model_
                 messages=[{"role": "user", "content": "Hi"}]))
             assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in (
                 "stop", "length")
+            check_responses(client, name)
+        check_messages(url, key, name)
     finally:
         stop(process)
