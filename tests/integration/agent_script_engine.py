@@ -8,6 +8,9 @@ text, so a prefill node and a decode node agree on it (the cluster path):
 * a prompt holding the tool's result ("sunny, 21 C") → an answer;
 * a prompt asking for the weather → a ``<tool_call>`` to ``get_weather``;
 * a prompt asking for JSON → ``{"ok":true}``;
+* a prompt asking for the weather and the time (``BOTH``) → ``get_weather``,
+  then with its result ``get_time``, then with both results an answer (a
+  two-tool agent);
 * anything else → "Hello there."
 """
 
@@ -26,9 +29,22 @@ ANSWER = "It is sunny in Paris."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 GREETING = "Hello there."
 JSON_ANSWER = '{"ok":true}'
+BOTH = "Weather and time in Paris?"
+TIME_RESULT = "14:05 CET"
+TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
+BOTH_ANSWER = "It is sunny in Paris, and 14:05."
+
+
+def answer_both(prompt: str) -> str:
+    asked = prompt.rfind(BOTH)
+    if prompt.rfind(TIME_RESULT) > asked:
+        return BOTH_ANSWER
+    return TIME_CALL if prompt.rfind(TOOL_RESULT) > asked else CALL
 
 
 def answer(prompt: str) -> str:
+    if BOTH in prompt:
+        return answer_both(prompt)
     asked, answered = prompt.rfind("Weather"), prompt.rfind(TOOL_RESULT)
     if answered > asked:  # the tool's result came after the question: answer it
         return ANSWER
