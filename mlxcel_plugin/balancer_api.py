@@ -45,6 +45,8 @@ class NodeView:
     # cache (the router's prefix index; 0 when unknown). Only a guess: a node lacking
     # them prefills them.
     cached_prefix_tokens: int = 0
+    # The router last placed a request with this request's ``cache_key`` here.
+    holds_cache_key: bool = False
 
     @property
     def load(self) -> int:
@@ -59,6 +61,7 @@ class RequestInfo:
     request_id: str
     prompt_tokens: int
     max_tokens: int = 0
+    cache_key: str | None = None  # the client's prompt_cache_key, a routing hint
 
 
 @runtime_checkable

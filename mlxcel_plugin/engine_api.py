@@ -90,6 +90,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     # The LoRA adapter the request runs with (engines/lora); None: the base model.
     adapter: str | None = None
+    # The client's ``prompt_cache_key``: a routing hint for the router's prefix-aware
+    # balancer (requests with one key prefer one node); engines ignore it.
+    cache_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,11 @@ the pool counts as imbalanced when its busiest node carries both
 ``BALANCE_ABS_REQUESTS`` more and ``BALANCE_REL`` times the load of its idlest;
 then load decides. Otherwise the longest cached prefix wins, provided that node
 is within ``BALANCE_ABS_REQUESTS`` of the least loaded; ties and prompts no node
-holds go to the least loaded. ``NodeView.cached_prefix_tokens`` is the router's
-guess of what each node holds (router_plugin/cluster/prefix_index.py).
+holds go to the node the client's ``prompt_cache_key`` last went to
+(``NodeView.holds_cache_key``; only among nodes not overloaded), else to the
+least loaded: the tokens are the truth, the key a hint.
+``NodeView.cached_prefix_tokens`` is the router's guess of what each node holds
+(router_plugin/cluster/prefix_index.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class PrefixAwareBalancer:
         near = [n for n in healthy if n.load - lowest <= BALANCE_ABS_REQUESTS]
         best = max(n.cached_prefix_tokens for n in near)
         if best == 0:
-            return choose_among_ties(least_loaded(healthy), self._rng)
+            keyed = [n for n in near if n.holds_cache_key]
+            return choose_among_ties(least_loaded(keyed or healthy), self._rng)
         holders = [n for n in near if n.cached_prefix_tokens == best]
-        return choose_among_ties(least_loaded(holders), self._rng)
+        keyed = [n for n in holders if n.holds_cache_key]
+        return choose_among_ties(least_loaded(keyed or holders), self._rng)

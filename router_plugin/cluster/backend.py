@@ -153,6 +153,6 @@ class ClusterBackend:
 
     def _select(self, role: str, info: RequestInfo, excluded: Collection[str],
                 blocks: Sequence[int]) -> PeerLink:
-        views = [v for v in self.pool.views(role, self.clock(), blocks)
+        views = [v for v in self.pool.views(role, self.clock(), blocks, info.cache_key)
                  if v.node_id not in excluded]
         return self.peers[self.balancers[role].select(views, info).node_id]

@@ -192,9 +192,14 @@ class NodePool:
 
     # --- reading -------------------------------------------------------------
 
-    def views(self, role: str, now: float, blocks: Sequence[int] = ()) -> list[NodeView]:
-        """Every node of ``role``; ``blocks``: a prompt's keys, to fill ``cached_prefix_tokens``."""
+    def views(self, role: str, now: float, blocks: Sequence[int] = (),
+              cache_key: str | None = None) -> list[NodeView]:  # fmt: skip
+        """Every node of ``role``; ``blocks``: a prompt's keys, to fill ``cached_prefix_tokens``;
+        ``cache_key``: the client's prompt_cache_key, to fill ``holds_cache_key``."""
         views = [self._view(n, now) for n in self._by_role(role)]
+        keyed = self.prefixes.key_node(cache_key)
+        if keyed is not None:
+            views = [replace(v, holds_cache_key=v.node_id == keyed) for v in views]
         if not blocks:
             return views
         return [replace(v, cached_prefix_tokens=self.cached_prefix_tokens(v.node_id, blocks, now))

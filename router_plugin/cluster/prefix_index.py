@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 DEFAULT_BLOCK_TOKENS = 128  # the nodes' default prefill chunk
 DEFAULT_MAX_BLOCKS_PER_NODE = 1 << 16
+MAX_CACHE_KEYS = 1 << 16  # prompt_cache_key -> node, LRU
 
 
 def prompt_blocks(tokens: Sequence[int], block_tokens: int) -> tuple[int, ...]:
@@ -43,6 +44,20 @@ class PrefixIndex:
         self.block_tokens = block_tokens
         self.max_blocks_per_node = max_blocks_per_node
         self._nodes: dict[str, OrderedDict[int, None]] = {}
+        self._key_nodes: OrderedDict[str, str] = OrderedDict()  # prompt_cache_key -> node
+
+    def record_key(self, key: str | None, node_id: str) -> None:
+        """A request with the client's ``prompt_cache_key`` ``key`` was placed on the node."""
+        if key is None:
+            return
+        self._key_nodes[key] = node_id
+        self._key_nodes.move_to_end(key)
+        while len(self._key_nodes) > MAX_CACHE_KEYS:
+            self._key_nodes.popitem(last=False)
+
+    def key_node(self, key: str | None) -> str | None:
+        """The node the last request with ``key`` went to (None: none known)."""
+        return None if key is None else self._key_nodes.get(key)
 
     def blocks(self, tokens: Sequence[int]) -> tuple[int, ...]:
         return prompt_blocks(tokens, self.block_tokens)
@@ -71,6 +86,8 @@ class PrefixIndex:
     def forget(self, node_id: str) -> None:
         """The node may have restarted (its link dropped): assume it holds nothing."""
         self._nodes.pop(node_id, None)
+        for key in [k for k, node in self._key_nodes.items() if node == node_id]:
+            del self._key_nodes[key]
 
     def blocks_held(self, node_id: str) -> int:
         return len(self._nodes.get(node_id, ()))

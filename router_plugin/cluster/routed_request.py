@@ -151,7 +151,7 @@ class RoutedRequest:
 
     async def _place(self) -> None:
         info = RequestInfo(self.request.request_id, len(self.request.prompt_tokens),
-                           self.request.max_tokens)
+                           self.request.max_tokens, self.request.cache_key)
         select, excluded, pool = self.context.select, self.excluded, self.context.pool
         now = self.context.clock()  # only pairs that can hand the KV over are ever placed
         decode = await select(DECODE, info, excluded | pool.unpaired_decodes(excluded, now),
@@ -170,6 +170,7 @@ class RoutedRequest:
             peer.register(placement.wire_id, self._sink(attempt))
             self.context.pool.on_dispatch(peer.node_id)
             self.context.pool.prefixes.record(peer.node_id, self.blocks)  # it will hold them
+            self.context.pool.prefixes.record_key(self.request.cache_key, peer.node_id)
         self.context.on_load_change()
         if prefill is None:
             self.context.stats.requests.local_prefills += 1

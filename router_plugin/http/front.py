@@ -276,6 +276,7 @@ class OpenAIFront:
             sampling=common.sampling,
             stop_token_ids=self.tokenizer.eos_token_ids,
             adapter=adapter,
+            cache_key=common.cache_key,
         )
         pipeline = CompletionPipeline(
             self.tokenizer, max_tokens=max_tokens, stop=common.stop,

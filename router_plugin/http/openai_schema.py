@@ -42,6 +42,7 @@ class CommonParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    cache_key: str | None = None  # prompt_cache_key
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ def _common(body: dict[str, Any], logprobs: int | None, *, echo: bool = False) -
         stop=_stop(body),
         stream=stream,
         include_usage=_include_usage(body, stream),
+        cache_key=_optional_str(body, "prompt_cache_key"),  # a routing hint (prefix-aware)
     )
 
 

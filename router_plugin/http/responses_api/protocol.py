@@ -26,7 +26,7 @@ TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text"})
 RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
            "messages": "input", "tools": "tools", "tool_choice": "tool_choice"}  # fmt: skip
 # Accepted and ignored (real agent clients send them; none changes the tokens).
-IGNORED = ("include", "prompt_cache_key", "parallel_tool_calls", "metadata", "user",
+IGNORED = ("include", "parallel_tool_calls", "metadata", "user",
            "safety_identifier", "service_tier", "truncation", "reasoning", "max_tool_calls",
            "top_logprobs", "stream_options", "client_metadata", "context_management",
            "prompt_cache_retention")  # fmt: skip
@@ -237,7 +237,8 @@ def parse_responses_request(body: dict[str, Any], skip_hosted: Any) -> Responses
         "tools": tools,
         "tool_choice": tool_choice(body.get("tool_choice")),
         "response_format": response_format(body.get("text")),
-        **{k: body[k] for k in ("temperature", "top_p", "seed", "top_k") if k in body},
+        **{k: body[k] for k in ("temperature", "top_p", "seed", "top_k", "prompt_cache_key")
+           if k in body},
     }
     return ResponsesRequest(
         messages=messages, chat_body=chat_body, echo=_echo(body, tools),
