@@ -141,6 +141,8 @@ def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:
     owner = memory.obj if isinstance(memory, memoryview) else None
     if not isinstance(owner, mx.array) or not x.flags.c_contiguous or owner.itemsize != x.itemsize:
         return None
+    if not memory.c_contiguous:  # a strided MLX array's export (a sliced cache): not a slab
+        return None
     offset = x.ctypes.data - np.frombuffer(memory, dtype=np.uint8).ctypes.data
     start, rem = divmod(offset, x.itemsize)
     if rem or start < 0 or start + x.size > owner.size:

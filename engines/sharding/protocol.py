@@ -169,5 +169,7 @@ def receive_config(group: Group) -> EngineConfig:
         value = data.get(field.name, default)
         if isinstance(value, dict) and dataclasses.is_dataclass(default):
             value = type(default)(**value)
+        elif isinstance(value, list) and isinstance(default, tuple):  # JSON has no tuples
+            value = tuple(value)
         values[field.name] = value
     return EngineConfig(**values)

@@ -57,7 +57,7 @@ def test_disable_and_allow_lists():
     registry = load_plugins(env={"MLXCEL_DISABLE_PLUGINS": "mlx_engines"})
     assert "mlx" not in registry.names("engine")
     registry = load_plugins(env={"MLXCEL_PLUGINS": "mlx_engines"})
-    assert registry.names("engine") == ["mlx"]
+    assert registry.names("engine") == ["mlx", "synthetic-kv"]
     assert registry.names("balancer") == []
 
 
@@ -79,7 +79,8 @@ def test_disable_and_allow_lists():
             "discovery": ["dns", "file", "kubernetes", "mdns", "static"],
         }),
         ("mlx_engines", {
-            "engine": ["mlx"], "balancer": [], "role": [], "transfer_strategy": [], "kv_codec": [],
+            "engine": ["mlx", "synthetic-kv"], "balancer": [], "role": [],
+            "transfer_strategy": [], "kv_codec": [],
             "discovery": [],
         }),
     ],
