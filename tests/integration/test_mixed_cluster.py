@@ -131,8 +131,12 @@ def assert_refused_without_traffic(router: NodeProcess, node: NodeProcess, reaso
     handoffs = {name: value for name, value in metric_lines(node.url, "mlxcel:kv_handoff").items()
                 if "_total" in name}  # received and refused
     assert handoffs and all(value == 0 for value in handoffs.values()), handoffs
+    # One line per newly refused pair, written when the second of its two profiles arrives:
+    # it names this node as the one refused, or as the partner of the prefill node refused.
+    node_id = entry["id"]
     log = router.log_path.read_text()
-    lines = [line for line in log.splitlines() if f"refusing {entry['id']} " in line]
+    lines = [line for line in log.splitlines() if "refusing " in line
+             and (f"refusing {node_id} " in line or f"{node_id}: {reason}" in line)]
     assert len(lines) == 1 and reason in lines[0], lines
 
 
