@@ -4,9 +4,10 @@
 #   scripts/test.sh --quick   the pure core, the router's parts, the contracts and the repository
 #                             checks, in process: no node processes, no models served
 #                             (pytest -m quick; tests/conftest.py says which paths)
-# Any other arguments go to pytest, e.g. `-n 2 --dist loadfile` for pytest-xdist workers (a
-# module stays on one worker, so its cluster fixtures start once; free_port gives each worker
-# its own ports).
+# Tests run on two pytest-xdist workers (most real-process tests wait on their nodes, so two
+# workers keep two cores busy); `--dist loadfile` keeps a module on one worker, so its cluster
+# fixtures start once, and free_port gives each worker its own ports. Pass `-n 0` for one
+# process. Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 selection=()
@@ -14,5 +15,9 @@ if [ "${1:-}" = --quick ]; then
   shift
   selection=(-m quick)
 fi
+workers=(-n 2 --dist loadfile)
+for arg in "$@"; do
+  case "$arg" in -n|-n*|--numprocesses*) workers=() ;; esac
+done
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m pytest -q ${selection[@]+"${selection[@]}"} "$@"
+exec .venv/bin/python -m pytest -q ${workers[@]+"${workers[@]}"} ${selection[@]+"${selection[@]}"} "$@"
