@@ -82,7 +82,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 HEAD_SCALE = 4.0  # logits std of a few units: greedy tokens stay clear of ties
 SSM_DT_BIAS = -5.0  # softplus(-5) ~ 0.007: a random SSM otherwise forgets in a few tokens
-TINY_ARCH_DIR = "tiny-{arch}{quant}-seed{seed}"
+TINY_ARCH_DIR = "tiny-arch-{arch}{quant}-seed{seed}"  # never model_store.TINY_DIR's name
 
 
 def tiny_config(arch: str, tokenizer_config: dict[str, Any]) -> dict[str, Any]:
