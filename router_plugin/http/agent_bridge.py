@@ -12,7 +12,7 @@ name the chat field; ``renames`` turns that into the agent API's field name.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from mlxcel_plugin.errors import InvalidRequestError
@@ -42,6 +42,31 @@ class IgnoredFields:
             self._logged.add(key)
             logger.info("%s: hosted tool type %r cannot run on a local server; skipped "
                         "(logged once)", self.api, kind)  # fmt: skip
+
+
+def joined_text(value: Any, param: str, kinds: frozenset[str], item_param: str,
+                field_error: Callable[[str, str], InvalidRequestError]) -> str:
+    """A string, or a list of text parts (``type`` in ``kinds``) joined into one string.
+
+    Each API names its fields its own way: ``item_param`` spells an item's field from
+    ``{param}`` and ``{index}`` (Responses ``input[0]``, Messages ``messages.0``), and
+    ``field_error`` words the error as that API's clients expect.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise field_error(param, "expected a string or a list of content parts")
+    texts = []
+    for index, part in enumerate(value):
+        where = item_param.format(param=param, index=index)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise field_error(where, f"content type {kind!r} is not supported here "
+                              f"(text only: {', '.join(sorted(kinds))})")  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise field_error(f"{where}.text", "expected a string")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def renamed(exc: InvalidRequestError, renames: Mapping[str, str]) -> InvalidRequestError:

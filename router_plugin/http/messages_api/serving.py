@@ -31,7 +31,7 @@ from router_plugin.http.messages_api.events import MessageEvents, sse_event, usa
 from router_plugin.http.messages_api.protocol import (
     IGNORED,
     RENAMES,
-    bad,
+    field_error,
     parse_messages_request,
 )
 from router_plugin.http.request_limits import parse_json_body
@@ -91,7 +91,7 @@ class MessagesServing:
         self.ignored.note(body)
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
-            raise bad("stream", "expected a boolean")
+            raise field_error("stream", "expected a boolean")
         chat_body = parse_messages_request(body, self.ignored.skip_tool, count_only=count_only)
         return chat_body, bool(stream)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel_plugin.errors import InvalidRequestError
-from router_plugin.http.agent_bridge import known_call_ids
+from router_plugin.http.agent_bridge import joined_text, known_call_ids
 
 ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text"})
@@ -48,38 +48,26 @@ class ResponsesRequest:
     instructions: str | None = None
 
 
-def bad(param: str, message: str) -> InvalidRequestError:
+def field_error(param: str, message: str) -> InvalidRequestError:
+    """A 400 naming the Responses field, quoted as OpenAI's own errors quote it."""
     return InvalidRequestError(f"'{param}': {message}", param=param)
 
 
 def _text_of(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(param, "expected a string or a list of content parts")
-    texts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise bad(f"{param}[{index}]", f"content part type {kind!r} is not supported "
-                      "(text only: input_text, output_text)")  # fmt: skip
-        if not isinstance(part.get("text"), str):
-            raise bad(f"{param}[{index}].text", "expected a string")
-        texts.append(part["text"])
-    return "".join(texts)
+    return joined_text(content, param, TEXT_PARTS, "{param}[{index}]", field_error)
 
 
 def _message_item(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in ROLES:
-        raise bad(f"{param}.role", f"expected one of {sorted(ROLES)}, got {role!r}")
+        raise field_error(f"{param}.role", f"expected one of {sorted(ROLES)}, got {role!r}")
     return {"role": role, "content": _text_of(item.get("content"), f"{param}.content")}
 
 
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str):
-            raise bad(f"{param}.{name}", "expected a string")
+            raise field_error(f"{param}.{name}", "expected a string")
     function = {"name": item["name"], "arguments": item["arguments"]}
     return {"id": item["call_id"], "type": "function", "function": function}
 
@@ -94,7 +82,7 @@ def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
 
 def _call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
     if not isinstance(item.get("call_id"), str):
-        raise bad(f"{param}.call_id", "expected a string")
+        raise field_error(f"{param}.call_id", "expected a string")
     output = item.get("output")
     text = output if isinstance(output, str) else _text_of(output, f"{param}.output")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
@@ -105,12 +93,12 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise bad("input", "expected a string or a non-empty list of items")
+        raise field_error("input", "expected a string or a non-empty list of items")
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(value):
         param = f"input[{index}]"
         if not isinstance(item, dict):
-            raise bad(param, "expected an object")
+            raise field_error(param, "expected an object")
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message_item(item, param))
@@ -119,7 +107,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             messages.append(_call_output(item, param))
         elif kind != "reasoning":
-            raise bad(f"{param}.type", f"input item type {kind!r} is not supported")
+            raise field_error(f"{param}.type", f"input item type {kind!r} is not supported")
     return messages
 
 
@@ -128,15 +116,16 @@ def chat_tools(value: Any, skip_hosted: Any) -> list[dict[str, Any]] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise bad("tools", "expected a list of tools")
+        raise field_error("tools", "expected a list of tools")
     tools = []
     for index, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if not isinstance(kind, str):
-            raise bad(f"tools[{index}].type", "each tool needs a string type")
+            raise field_error(f"tools[{index}].type", "each tool needs a string type")
         name = tool.get("name")
         if (kind == "function" or name is not None) and not isinstance(name, str):
-            raise bad(f"tools[{index}].name", "expected a string (required on a function tool)")
+            raise field_error(f"tools[{index}].name",
+                              "expected a string (required on a function tool)")
         if kind != "function":
             skip_hosted(kind)
             continue
@@ -152,8 +141,8 @@ def tool_choice(value: Any) -> str | dict[str, Any] | None:
     if (isinstance(value, dict) and value.get("type") == "function"
             and isinstance(value.get("name"), str)):  # fmt: skip
         return {"type": "function", "function": {"name": value["name"]}}
-    raise bad("tool_choice", "expected 'auto', 'none', 'required' or "
-              "{'type': 'function', 'name': ...}")  # fmt: skip
+    raise field_error("tool_choice", "expected 'auto', 'none', 'required' or "
+                      "{'type': 'function', 'name': ...}")  # fmt: skip
 
 
 def response_format(text: Any) -> dict[str, Any] | None:
@@ -161,12 +150,12 @@ def response_format(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise bad("text", "expected an object")
+        raise field_error("text", "expected an object")
     fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise bad("text.format", "expected an object")
+        raise field_error("text.format", "expected an object")
     _check_format_fields(fmt)
     if fmt.get("type") != "json_schema":
         return fmt  # text / json_object: the same shape as chat's
@@ -178,13 +167,13 @@ def _check_format_fields(fmt: dict[str, Any]) -> None:
     for name, kind, what in (("name", str, "a string"), ("strict", bool, "a boolean"),
                              ("schema", dict, "a JSON schema object")):  # fmt: skip
         if fmt.get(name) is not None and not isinstance(fmt[name], kind):
-            raise bad(f"text.format.{name}", f"expected {what}")
+            raise field_error(f"text.format.{name}", f"expected {what}")
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False):
-            raise bad(name, why)
+            raise field_error(name, why)
 
 
 def show(value: Any) -> str:
@@ -197,14 +186,14 @@ def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(name, f"expected a boolean, got {show(value)}")
+        raise field_error(name, f"expected a boolean, got {show(value)}")
     return value
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
-        raise bad(name, f"expected a string, got {show(value)}")
+        raise field_error(name, f"expected a string, got {show(value)}")
     return value
 
 
@@ -227,7 +216,7 @@ def parse_responses_request(body: dict[str, Any], skip_hosted: Any) -> Responses
     """The body checked and translated; the chat body still lacks earlier turns."""
     refuse_unsupported(body)
     if body.get("input") is None:
-        raise bad("input", "this field is required")
+        raise field_error("input", "this field is required")
     messages = input_messages(body["input"])
     instructions = _optional_str(body, "instructions")
     tools = chat_tools(body.get("tools"), skip_hosted)
@@ -255,6 +244,6 @@ def conversation(request: ResponsesRequest, earlier: list[dict[str, Any]]) -> di
     answered = {m["tool_call_id"] for m in messages if m["role"] == "tool"}
     unknown = sorted(answered - known_call_ids(messages))
     if unknown:
-        raise bad("input", f"function_call_output for unknown call_id {unknown[0]!r} "
-                  "(no function_call with that call_id in this conversation)")  # fmt: skip
+        raise field_error("input", f"function_call_output for unknown call_id {unknown[0]!r} "
+                          "(no function_call with that call_id in this conversation)")  # fmt: skip
     return {**request.chat_body, "messages": messages}
