@@ -40,7 +40,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +141,8 @@ class PrefixCache:
         self._hit_tokens = 0
         self._lookup_tokens = 0
         self._evictions = 0
+        self._key: Hashable = _MODEL_KEY  # the trie's model key: the base's, or an adapter's
+        self._views: dict[Hashable, PrefixCache] = {}
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig) -> PrefixCache:
@@ -151,6 +153,17 @@ class PrefixCache:
         if max_bytes > 0 and snapshots:
             log.info("prefix cache: exact-prefix snapshots (caches that cannot be cut back)")
         return cls(max_bytes, config.chunk_size_tokens, settings.reuse_generated, snapshots)
+
+    def keyed(self, key: Hashable) -> PrefixCache:
+        """The cache for K/V computed under ``key`` (a LoRA adapter's name and digest: its K/V
+        for the same tokens differ from the base's): entries apart, LRU and budget shared."""
+        view = self._views.get(key)
+        if view is None:
+            view = copy.copy(self)
+            view._key, view._views, view._pending, view._pins = (_MODEL_KEY, key), {}, [], {}
+            view._hit_tokens = view._lookup_tokens = view._evictions = 0
+            self._views[key] = view
+        return view
 
     @property
     def enabled(self) -> bool:
@@ -176,19 +189,19 @@ class PrefixCache:
 
     def _nearest(self, tokens: tuple[int, ...]) -> tuple[int, list[Any]] | None:
         """Under the lock: (tokens shared, caches) of the entry sharing most of ``tokens``."""
-        found = self._lru._trie.search(_MODEL_KEY, list(tokens))
+        found = self._lru._trie.search(self._key, list(tokens))
         if self.snapshots:  # only an entry that is a prefix of ``tokens`` holds their state
             held = found.exact or found.shorter
-            return None if held is None else (len(held), self._lru._trie.get(_MODEL_KEY, held)
+            return None if held is None else (len(held), self._lru._trie.get(self._key, held)
                                               .prompt_cache)
         if found.exact is not None:
-            return len(found.exact), self._lru._trie.get(_MODEL_KEY, found.exact).prompt_cache
+            return len(found.exact), self._lru._trie.get(self._key, found.exact).prompt_cache
         shorter = len(found.shorter) if found.shorter is not None else 0
         if found.longer is not None and found.common_prefix > shorter:
-            entry = self._lru._trie.get(_MODEL_KEY, found.longer)
+            entry = self._lru._trie.get(self._key, found.longer)
             return found.common_prefix, entry.prompt_cache
         if shorter:
-            return shorter, self._lru._trie.get(_MODEL_KEY, found.shorter).prompt_cache
+            return shorter, self._lru._trie.get(self._key, found.shorter).prompt_cache
         return None
 
     def _usable(self, prompt_len: int, held: int) -> int:
@@ -290,7 +303,7 @@ class PrefixCache:
 
     def _insert(self, tokens: tuple[int, ...], entry: list[Any]) -> None:
         with self._lock:
-            self._lru.insert_cache(_MODEL_KEY, list(tokens), entry)
+            self._lru.insert_cache(self._key, list(tokens), entry)
             self._recount_pins()
         self.evict_to(self.max_bytes)
 
@@ -344,11 +357,11 @@ class PrefixCache:
         and a pin only needs to keep the arrays alive.
         """
         trie = self._lru._trie
-        found = trie.search(_MODEL_KEY, list(prefix))
+        found = trie.search(self._key, list(prefix))
         tokens = found.exact or (found.longer if found.common_prefix >= len(prefix) else None)
         if tokens is None:
             return None
-        return tuple(tokens), trie.get(_MODEL_KEY, tokens).prompt_cache
+        return tuple(tokens), trie.get(self._key, tokens).prompt_cache
 
     def _recount_pins(self) -> None:
         """Under the lock: bytes of pinned entries the LRU no longer lists (still held)."""
@@ -357,18 +370,19 @@ class PrefixCache:
 
     def _listed(self, pin: Pin) -> bool:
         try:
-            entry = self._lru._trie.get(_MODEL_KEY, list(pin.entry_tokens))
+            entry = self._lru._trie.get(self._key, list(pin.entry_tokens))
         except KeyError:
             return False
         return entry.prompt_cache is pin.caches
 
     def stats(self) -> PrefixCacheStats:
+        caches = [self, *self._views.values()]  # the keyed views count their own
         return PrefixCacheStats(
-            hit_tokens=self._hit_tokens,
-            lookup_tokens=self._lookup_tokens,
+            hit_tokens=sum(c._hit_tokens for c in caches),
+            lookup_tokens=sum(c._lookup_tokens for c in caches),
             cached_bytes=self._lru.nbytes,
             entries=len(self._lru),
-            evictions=self._evictions,
+            evictions=sum(c._evictions for c in caches),
             # A router trusts its guess of what a node holds (deltas, local prefills)
             # only where this is > 0; snapshots are kept from the node's own prefills
             # alone, not from handoffs, so that guess would be wrong.
