@@ -71,12 +71,17 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum()
 
 
+def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """What a non-greedy draw samples from: temperature, top-k, min-p, top-p (unnormalized)."""
+    scaled = _top_k(logits.astype(np.float32) / np.float32(params.temperature), params.top_k)
+    return _top_p(_min_p(_softmax(scaled), params.min_p), params.top_p)
+
+
 def sample_from_logits(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """Temperature, top-k, min-p, top-p, then one categorical draw."""
     if params.is_greedy:
         return int(np.argmax(logits))
-    scaled = _top_k(logits.astype(np.float32) / np.float32(params.temperature), params.top_k)
-    probs = _top_p(_min_p(_softmax(scaled), params.min_p), params.top_p)
+    probs = sampling_probs(logits, params)
     cumulative = np.cumsum(probs)
     return int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
 
@@ -116,11 +121,19 @@ class TokenSampler:
 
     def sample(self, logits: np.ndarray, position: int) -> int:
         """The token at absolute ``position`` (= tokens before it) from its logits row."""
+        return sample_from_logits(self._processed(logits), self.params, self._rng(position))
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution ``sample`` draws from (non-greedy), normalized: speculative/."""
+        probs = sampling_probs(self._processed(logits), self.params)
+        return probs / probs.sum()
+
+    def _processed(self, logits: np.ndarray) -> np.ndarray:
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
         if self._counts is not None:
             logits = apply_penalties(logits[: self._counts.size], self._counts, self.params)
-        return sample_from_logits(logits, self.params, self._rng(position))
+        return logits
 
     def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs | None:
         """The sampled ``token``'s logprobs from the raw ``logits`` row, when the request asked.

@@ -267,6 +267,8 @@ def speculative_config(section: Mapping[str, Any]) -> SpeculativeConfig:
     if not 1 <= config.ngram_min <= config.ngram_max <= 16:
         raise ConfigError("[speculative] needs 1 <= ngram_min <= ngram_max <= 16, got "
                           f"{config.ngram_min}, {config.ngram_max}")
+    if config.method == "draft" and not config.draft_model:
+        raise ConfigError('[speculative] method = "draft" needs draft_model = PATH')
     if config.verify_row_cost < 0:
         raise ConfigError(f"[speculative] verify_row_cost must be >= 0, got "
                           f"{config.verify_row_cost}")

@@ -6,16 +6,22 @@ from dataclasses import dataclass, field
 
 METHOD_OFF = "off"
 METHOD_NGRAM = "ngram"
-METHODS = (METHOD_OFF, METHOD_NGRAM)  # per request too: the ``speculative`` body field
+METHOD_DRAFT = "draft"
+# Per request too: the ``speculative`` body field ("draft" where the node holds a draft model).
+METHODS = (METHOD_OFF, METHOD_NGRAM, METHOD_DRAFT)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``[speculative]`` (hybrid, decode): proposals verified in one forward."""
 
-    # "off" | "ngram" (prompt lookup: proposals copied from the sequence's own context).
-    # A request's ``speculative`` body field overrides it.
+    # "off" | "ngram" (prompt lookup: proposals copied from the sequence's own context) |
+    # "draft" (a small model with the same tokenizer proposes). A request's ``speculative``
+    # body field overrides it.
     method: str = METHOD_OFF
+    # The draft model's mlx-lm checkpoint directory (its tokenizer must be the target's).
+    # Loaded beside the target when set, so requests may ask for "draft" whatever ``method``.
+    draft_model: str = ""
     # Most tokens proposed per sequence and step.
     num_speculative_tokens: int = 4
     # N-gram sizes tried, longest first, for a match of the context's last tokens.
@@ -26,7 +32,8 @@ class SpeculativeConfig:
     # rule weighs it against the acceptance rate. A setting, not a live timing, so every
     # node makes the same choices (loadtests/bench_speculative.py measures it).
     verify_row_cost: float = 0.1
-    # Per sequence, turn speculation down (fewer tokens) or off when it would be slower.
+    # Per sequence, turn speculation down (fewer tokens) or off when it would be slower; per
+    # batch group, propose no deeper than the group's extra rows pay for.
     adaptive: bool = True
 
 

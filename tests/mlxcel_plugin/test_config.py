@@ -143,7 +143,8 @@ def test_speculative_section(tmp_path):
     toml = write_toml(tmp_path, '[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 6\n')
     spec = build_config({"distributed_config": toml}, env={}).engine_config.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.ngram_max) == ("ngram", 6, 4)
-    for text, named in [('method = "draft"', "method"), ("ngram_min = 5", "ngram_min"),
+    for text, named in [('method = "eagle"', "method"),
+                        ('method = "draft"', "draft_model"), ("ngram_min = 5", "ngram_min"),
                         ("num_speculative_tokens = 0", "num_speculative_tokens"),
                         ("lookahead = 3", "lookahead")]:
         toml = write_toml(tmp_path, f"[speculative]\n{text}\n")

@@ -221,10 +221,10 @@ def test_int64_edges_and_missing_model_accepted() -> None:
 
 def test_speculative_extra_field_rides_on_the_sampling() -> None:
     assert parse_chat_request({"messages": USER}).common.sampling.speculative is None
-    for method in ("ngram", "off"):
+    for method in ("ngram", "draft", "off"):
         body = {"messages": USER, "speculative": method}
         assert parse_chat_request(body).common.sampling.speculative == method
     completion = parse_completion_request({"prompt": "x", "speculative": "ngram"})
     assert completion.common.sampling.speculative == "ngram"
-    bad("speculative", {"messages": USER, "speculative": "draft"})
+    bad("speculative", {"messages": USER, "speculative": "eagle"})
     bad("speculative", {"messages": USER, "speculative": 1})
