@@ -236,8 +236,8 @@ class DecodeNode:
         if request_id in self._ended or request_id in self.live:
             raise UnknownRequest(f"request {request_id} is not awaiting KV (ended or cancelled)")
         self._pin_prefix(header)
-        # A delta's spliced cache is as large as a full one.
-        kv_bytes = header.fingerprint.kv_bytes(header.prompt_length + header.sampling.max_tokens)
+        # As held here (a converting handoff widens or quantizes on arrival); a delta's too.
+        kv_bytes = self.fingerprint.kv_bytes(header.prompt_length + header.sampling.max_tokens)
         self.ready.pop(request_id, None)
         try:
             self.scheduler.offer(request_id, UNCLAIMED, kv_bytes, header.epoch)

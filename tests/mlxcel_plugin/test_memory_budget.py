@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from mlxcel_plugin.config import ServerConfig
 from mlxcel_plugin.engine_api import EngineConfig
+from mlxcel_plugin.kv_serde.convert import cast_fingerprint
+from mlxcel_plugin.kv_serde.header import HandoffHeader, SerializableSamplingState
 from mlxcel_plugin.kv_serde.pool import pool_bytes_for
 from mlxcel_plugin.memory_budget import (
     MIN_KV_BUDGET_BYTES,
@@ -77,3 +79,17 @@ def test_a_decode_node_sizes_its_receive_pool_from_the_engine_s_budget():
     node = DecodeNode(parts, "decode-test")
     pool = node.receiver.memory.pool
     assert pool.max_bytes == pool_bytes_for(256 * MIB, 64 * MIB) == 64 * MIB
+
+
+def test_a_converting_handoff_is_reserved_as_the_decode_node_holds_it():
+    """A float16 sender's K/V widen to float32 here: the budget counts the float32 bytes."""
+    engine = FakeEngine(config=EngineConfig(kv_memory_bytes=256 * MIB))
+    scheduler = decode_scheduler_config(ServerConfig(), engine_config_of(engine, EngineConfig()))
+    node = DecodeNode(DecodeNodeParts(engine, scheduler, {}), "decode-test")
+    assert node.fingerprint.dtype == "float32"
+    sent = cast_fingerprint(node.fingerprint, "float16")
+    sampling = SerializableSamplingState(max_tokens=16)
+    node._admit_begin(HandoffHeader("r1", "h1", 0, sent, 48, 5, sampling=sampling))
+    held = node.fingerprint.kv_bytes(48 + 16)
+    assert held == 2 * sent.kv_bytes(48 + 16)
+    assert node.scheduler.stats().kv_used_bytes == held
