@@ -59,6 +59,7 @@ class FrameType(enum.IntEnum):
     PING = 9
     PONG = 10
     ERROR = 11
+    ADAPTER = 12  # LoRA adapter load/unload (adapter_frames.py)
 
 
 Body = bytes | bytearray | memoryview | BodyParts

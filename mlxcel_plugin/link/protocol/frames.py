@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from mlxcel_plugin.link.protocol import request_checks as checks
+from mlxcel_plugin.link.protocol.adapter_frames import AdapterCommand, adapter_map, optional_name
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.frame_codec import (
     MAX_HEADER_BYTES,
@@ -44,6 +45,7 @@ from mlxcel_plugin.logprobs import (
 )
 
 __all__ = [
+    "AdapterCommand",
     "Body",
     "BodyParts",
     "Cancel",
@@ -99,6 +101,9 @@ class Request:
     deadline_unix_s: float | None = None  # wall clock, None = no deadline
     claim: bool = False  # a decode lease, not work to run; the prompt may be empty
     decode_cached_tokens: int = 0  # prompt tokens the decode node holds already
+    # The LoRA adapter the prompt runs with, and the digest of its files (None: the base).
+    adapter: str | None = None
+    adapter_digest: str | None = None
 
     TYPE: ClassVar[FrameType] = FrameType.REQUEST
 
@@ -115,6 +120,8 @@ class Request:
             header["claim"] = True
         if self.decode_cached_tokens:  # the same: absent means 0
             header["decode_cached_tokens"] = self.decode_cached_tokens
+        if self.adapter is not None:  # the same: absent means the base
+            header.update(adapter=self.adapter, adapter_digest=self.adapter_digest)
         return Frame(self.TYPE, header, pack_token_ids(self.prompt_token_ids))
 
     @classmethod
@@ -131,6 +138,8 @@ class Request:
             deadline_unix_s=_float_or_none(h, "deadline_unix_s"),
             claim=get_field(h, "claim", bool, False),
             decode_cached_tokens=get_field(h, "decode_cached_tokens", int, 0),
+            adapter=optional_name(h, "adapter"),
+            adapter_digest=optional_name(h, "adapter_digest"),
         )
         target = request._check()
         return request if target == request.decode_target else replace(request,
@@ -251,6 +260,7 @@ class Telemetry:
     prefix_cached_bytes: int = 0
     prefix_evictions: int = 0
     prefix_capacity_bytes: int = 0  # 0: the node keeps no prefix cache
+    adapters: Mapping[str, str] = field(default_factory=dict)  # LoRA name -> digest, held now
 
     TYPE: ClassVar[FrameType] = FrameType.TELEMETRY
     _PREFIX_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -267,6 +277,8 @@ class Telemetry:
         }
         # Absent means 0, so a node without a prefix cache sends the bytes it always did.
         header.update({k: getattr(self, k) for k in self._PREFIX_FIELDS if getattr(self, k)})
+        if self.adapters:  # the same: absent means none
+            header["adapters"] = dict(self.adapters)
         return Frame(self.TYPE, header)
 
     @classmethod
@@ -281,6 +293,7 @@ class Telemetry:
             free_kv_fraction=float(get_field(h, "free_kv_fraction", (int, float), 1.0)),
             tokens_per_s=float(get_field(h, "tokens_per_s", (int, float), 0.0)),
             **{k: get_field(h, k, int, 0) for k in cls._PREFIX_FIELDS},
+            adapters=adapter_map(h),
         )
 
 
@@ -341,7 +354,7 @@ def kv_frame(frame_type: FrameType, header: Mapping[str, Any], body: Body = b"")
 TYPED_FRAMES: dict[FrameType, type] = {
     FrameType.REQUEST: Request, FrameType.RESULT: Result, FrameType.CANCEL: Cancel,
     FrameType.TELEMETRY: Telemetry, FrameType.PING: Ping, FrameType.PONG: Ping,
-    FrameType.ERROR: ErrorFrame,
+    FrameType.ERROR: ErrorFrame, FrameType.ADAPTER: AdapterCommand,
 }
 
 
