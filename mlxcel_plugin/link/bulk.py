@@ -17,15 +17,12 @@ server" ‖ ...)``. Only the two ends of that handshake can produce either MAC.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import socket
 import struct
 import sys
-import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from mlxcel_plugin.errors import ProtocolError
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
@@ -46,6 +43,7 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # Thread name prefixes of the bulk channel's I/O threads (benchmarks attribute CPU by them).
 BULK_OUT_THREAD = "mlxcel-bulk-out"
 BULK_IN_THREAD = "mlxcel-bulk-in"
+BULK_SEND_THREAD = BULK_OUT_THREAD + "-send"  # a pipelined channel's socket writer
 
 
 class BulkError(ProtocolError):
@@ -115,32 +113,61 @@ def record_spans(views: Sequence[memoryview],
 
 
 class BulkChannel:
-    """One authenticated bulk stream; ``write_body``/``read_body`` block (run them in a thread).
+    """One authenticated bulk stream (a lane); ``write_body``/``read_body`` block (run them
+    in a thread).
 
     Each direction is used by one thread at a time (the link's writer task and
-    reader task each await their side), so no locking is needed here.
+    reader task each await their side), so no locking is needed here. With
+    ``pipeline`` the writer seals record n+1 while a second thread sends record n
+    (two alternating buffers; AEAD and ``sendall`` both release the GIL).
     """
 
     def __init__(self, sock: socket.socket, sender: RecordSender, receiver: RecordReceiver,
-                 chunk_bytes: int, io_timeout_s: float):
+                 chunk_bytes: int, io_timeout_s: float, *, pipeline: bool = False,
+                 name: str = BULK_SEND_THREAD):
         self._sock = sock
         self._sender, self._receiver = sender, receiver
         self.chunk_bytes = chunk_bytes
-        self._out = bytearray(chunk_bytes + TAG_BYTES)
+        self._outs = [bytearray(chunk_bytes + TAG_BYTES) for _ in range(2 if pipeline else 1)]
         self._in = bytearray(chunk_bytes + TAG_BYTES)
         self._plain: bytearray | None = None  # for bodies without a sink buffer, on first use
+        self._send_thread = ThreadPoolExecutor(1, name) if pipeline else None
         _tune(sock)
         _set_io_timeout(sock, io_timeout_s)
 
     def write_body(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
         """Send a body as records of ``chunk_bytes``; a BodyParts' records span its parts."""
-        out = memoryview(self._out)
         try:
-            for pieces in record_spans(_views(body), self.chunk_bytes):
-                n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
-                self._sock.sendall(out[:n])
+            if self._send_thread is None:
+                self._write_sequential(body)
+            else:
+                self._write_pipelined(body)
         except TimeoutError as exc:
             raise BulkTimeout("bulk channel send timed out") from exc
+
+    def _write_sequential(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
+        out = memoryview(self._outs[0])
+        for pieces in record_spans(_views(body), self.chunk_bytes):
+            n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
+            self._sock.sendall(out[:n])
+
+    def _write_pipelined(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
+        """Seal record n+1 into one buffer while the send thread writes record n from the
+        other; a buffer is sealed into again only after its send returned."""
+        sending: Future[None] | None = None
+        try:
+            for count, pieces in enumerate(record_spans(_views(body), self.chunk_bytes)):
+                out = memoryview(self._outs[count % 2])
+                n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
+                if sending is not None:
+                    sending.result()  # raises the send's error; frees the other buffer
+                sending = self._send_thread.submit(self._sock.sendall, out[:n])
+            if sending is not None:
+                sending.result()
+                sending = None
+        finally:
+            if sending is not None:  # sealing failed: the buffer stays busy until sent
+                sending.exception()
 
     def read_body(self, n_bytes: int, into: memoryview | BodyParts | None = None
                   ) -> bytearray | memoryview | BodyParts:
@@ -208,58 +235,21 @@ class BulkChannel:
         except OSError:
             logger.debug("bulk socket already disconnected")
 
+    def join_threads(self) -> None:
+        """Wait for the pipelined send thread to let go of the socket (after ``shutdown``)."""
+        if self._send_thread is not None:
+            self._send_thread.shutdown(wait=True)
+
     def close(self) -> None:
         """Release the socket; call once no thread uses it any more."""
         self.shutdown()
+        self.join_threads()
         self._sock.close()
 
 
-class BulkPipe:
-    """A bulk channel driven from an event loop: one worker thread per direction.
-
-    Bodies are written and read strictly in submission order, so the link's
-    writer and reader tasks can queue the next body without waiting for the last.
-    """
-
-    def __init__(self, channel: BulkChannel, reader_nice: int = 0):
-        self.channel = channel
-        self._out = ThreadPoolExecutor(1, BULK_OUT_THREAD)
-        self._in = ThreadPoolExecutor(1, BULK_IN_THREAD, initializer=_lower_thread_priority,
-                                      initargs=(reader_nice,))
-
-    def write(self, body: bytes | bytearray | memoryview | BodyParts) -> asyncio.Future[None]:
-        return asyncio.get_running_loop().run_in_executor(self._out, self.channel.write_body, body)
-
-    def read(self, n_bytes: int, into: memoryview | BodyParts | None
-             ) -> asyncio.Future[bytearray | memoryview | BodyParts]:
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._in, self.channel.read_body, n_bytes, into)
-
-    async def stop(self) -> None:
-        """Fail queued and running transfers, then release the socket."""
-        self.channel.shutdown()  # wakes worker threads blocked on the socket
-        for executor in (self._out, self._in):
-            executor.shutdown(wait=False, cancel_futures=True)
-        # Close the fd only after the threads let go of it, so it cannot be reused under them.
-        await asyncio.to_thread(self._join)
-        self.channel.close()
-
-    def _join(self) -> None:
-        self._out.shutdown(wait=True)
-        self._in.shutdown(wait=True)
-
-
-def _lower_thread_priority(nice: int) -> None:
-    """Renice the calling thread (Linux schedules threads as tasks; elsewhere a no-op)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError as exc:
-        logger.debug("cannot renice the bulk reader thread: %s", exc)
-
-
 def make_channel(sock: socket.socket, session: Session, chunk_bytes: int,
-                 io_timeout_s: float) -> BulkChannel:
-    sender, receiver = session.bulk_records(max_record_bytes=chunk_bytes)
-    return BulkChannel(sock, sender, receiver, chunk_bytes, io_timeout_s)
+                 io_timeout_s: float, lane: int = 0, pipeline: bool = False) -> BulkChannel:
+    """Bulk lane ``lane`` of ``session`` over ``sock`` (each lane has its own keys)."""
+    sender, receiver = session.bulk_records(max_record_bytes=chunk_bytes, lane=lane)
+    return BulkChannel(sock, sender, receiver, chunk_bytes, io_timeout_s, pipeline=pipeline,
+                       name=f"{BULK_SEND_THREAD}{lane}")

@@ -38,9 +38,21 @@ async def _recv_exactly_async(loop: asyncio.AbstractEventLoop, sock: socket.sock
     return bytes(buf)
 
 
+class BulkLanesRefused(BulkError):
+    """The peer granted more bulk lanes than this end asked for (its budget)."""
+
+    code = "bulk_lanes_refused"
+
+
+def lane_label(side: bytes, lane: int) -> bytes:
+    """The MAC label of a lane's hello: lane 0 keeps the one-lane channel's label."""
+    return side if lane == 0 else side + b" lane %d" % lane
+
+
 async def attach_client(host: str, port: int, token: bytes, session: Session,
-                        chunk_bytes: int, io_timeout_s: float) -> BulkChannel:
-    """Client side: connect to the announced bulk port and prove the session."""
+                        chunk_bytes: int, io_timeout_s: float, lane: int = 0,
+                        pipeline: bool = False) -> BulkChannel:
+    """Client side: connect lane ``lane`` to the announced bulk port and prove the session."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, _, _, _, address = infos[0]
@@ -48,13 +60,13 @@ async def attach_client(host: str, port: int, token: bytes, session: Session,
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, address)
-        hello = BULK_MAGIC + token + session.channel_mac(b"bulk client", token)
+        hello = BULK_MAGIC + token + session.channel_mac(lane_label(b"bulk client", lane), token)
         await loop.sock_sendall(sock, hello)
         reply = await _recv_exactly_async(loop, sock, SERVER_HELLO_BYTES)
-        expected = BULK_MAGIC + session.channel_mac(b"bulk server", token)
+        expected = BULK_MAGIC + session.channel_mac(lane_label(b"bulk server", lane), token)
         if not hmac.compare_digest(reply, expected):
             raise BulkAuthError("bulk channel server MAC does not verify")
-        return make_channel(sock, session, chunk_bytes, io_timeout_s)
+        return make_channel(sock, session, chunk_bytes, io_timeout_s, lane, pipeline)
     except BaseException:
         sock.close()
         raise
@@ -64,6 +76,7 @@ async def attach_client(host: str, port: int, token: bytes, session: Session,
 class _Pending:
     session: Session
     future: asyncio.Future[socket.socket]
+    lane: int = 0
 
 
 class BulkListener:
@@ -97,11 +110,12 @@ class BulkListener:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._accept_loop())
 
-    def expect(self, session: Session) -> tuple[bytes, asyncio.Future[socket.socket]]:
-        """Register a one-time token for a session about to be accepted."""
+    def expect(self, session: Session, lane: int = 0
+               ) -> tuple[bytes, asyncio.Future[socket.socket]]:
+        """Register a one-time token for lane ``lane`` of a session about to be accepted."""
         token = secrets.token_bytes(TOKEN_BYTES)
         future = asyncio.get_running_loop().create_future()
-        self._pending[token] = _Pending(session, future)
+        self._pending[token] = _Pending(session, future, lane)
         return token, future
 
     def forget(self, token: bytes) -> None:
@@ -124,7 +138,7 @@ class BulkListener:
                 pending = self._verify(hello)
                 token = hello[4:4 + TOKEN_BYTES]
                 await loop.sock_sendall(conn, BULK_MAGIC + pending.session.channel_mac(
-                    b"bulk server", token))
+                    lane_label(b"bulk server", pending.lane), token))
         except (ProtocolError, OSError, TimeoutError) as exc:
             self._refusals.refused(f"bulk channel from {_format_peer(addr)}", _describe(exc))
             conn.close()
@@ -141,7 +155,8 @@ class BulkListener:
         pending = self._pending.pop(token, None)  # one-time: a replayed hello finds nothing
         if pending is None:
             raise BulkAuthError("unknown or already used bulk token")
-        if not hmac.compare_digest(mac, pending.session.channel_mac(b"bulk client", token)):
+        label = lane_label(b"bulk client", pending.lane)
+        if not hmac.compare_digest(mac, pending.session.channel_mac(label, token)):
             raise BulkAuthError("bulk channel client MAC does not verify")
         return pending
 

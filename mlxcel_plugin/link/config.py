@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
+from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.link.bulk import DEFAULT_CHUNK_BYTES
+from mlxcel_plugin.link.protocol.handshake import MAX_BULK_LANES
 from mlxcel_plugin.link.protocol.records import DEFAULT_MAX_RECORD_BYTES, TAG_BYTES
 
 CLOSE_NORMAL = 1000
@@ -12,6 +15,24 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
+
+BULK_LANES_ENV = "MLXCEL_BULK_LANES"
+MAX_DEFAULT_BULK_LANES = 4
+
+
+def default_bulk_lanes(environ: os._Environ | dict[str, str] = os.environ) -> int:
+    """Bulk lanes per KV link: ``MLXCEL_BULK_LANES`` if set, else one per core up to 4.
+
+    Each lane is a TCP stream with its own sealing/opening threads, so lanes beyond the
+    cores that run them add sockets, not speed.
+    """
+    raw = environ.get(BULK_LANES_ENV, "").strip()
+    if not raw:
+        return max(1, min(MAX_DEFAULT_BULK_LANES, os.cpu_count() or 1))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_BULK_LANES:
+        raise ConfigError(f"{BULK_LANES_ENV}={raw!r}: expected a whole number of lanes "
+                          f"from 1 to {MAX_BULK_LANES}")
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -31,9 +52,22 @@ class LinkConfig:
     bulk_threshold_bytes: int = 256 * 1024  # bodies at least this big use the bulk channel
     bulk_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     bulk_io_timeout_s: float = 60.0
+    # Bulk lanes (parallel TCP streams) this end asks for when it dials; the peer grants
+    # at most its own ``bulk_max_lanes`` (a peer granting more than asked is refused:
+    # BulkLanesRefused). 1 = one stream, as with peers that predate lanes.
+    bulk_lanes: int = 1
+    # The most lanes this end grants a dialing peer (the rest of its ask is not granted).
+    bulk_max_lanes: int = field(default_factory=default_bulk_lanes)
+    # Seal record n+1 while record n is being sent (a second thread per lane).
+    bulk_pipeline: bool = True
     # Linux: niceness of the thread that receives and decrypts bulk bodies. A decode
     # node raises it so KV ingestion yields the core to the running decode batch.
     bulk_reader_nice: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("bulk_lanes", "bulk_max_lanes"):
+            if not 1 <= getattr(self, name) <= MAX_BULK_LANES:
+                raise ConfigError(f"LinkConfig.{name} must be 1..{MAX_BULK_LANES}")
 
     @property
     def ws_max_size(self) -> int:

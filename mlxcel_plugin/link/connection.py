@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import NodeLostError, ProtocolError
 from mlxcel_plugin.link.bodies import BodySink, flat_body, sink_buffer
-from mlxcel_plugin.link.bulk import BulkChannel, BulkPipe
+from mlxcel_plugin.link.bulk import BulkChannel
+from mlxcel_plugin.link.bulk_lanes import BulkPipe
 from mlxcel_plugin.link.config import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -75,12 +76,14 @@ class Link:
     """An established link; made by ``dial_link`` or handed to ``serve_links``' ``on_link``."""
 
     def __init__(self, ws: Connection, session: Session, config: LinkConfig,
-                 bulk: BulkChannel | None = None, *, local_role: str = "", local_node_id: str = "",
+                 bulk: BulkChannel | Sequence[BulkChannel] | None = None, *,
+                 local_role: str = "", local_node_id: str = "",
                  peer_announce: Mapping[str, str] | None = None):
         self._ws, self._session, self._config = ws, session, config
         # What the accepting peer announced in its verdict (a node: its "model").
         self.peer_announce: Mapping[str, str] = dict(peer_announce or {})
-        self._bulk = BulkPipe(bulk, config.bulk_reader_nice) if bulk else None
+        lanes = [bulk] if isinstance(bulk, BulkChannel) else list(bulk or ())
+        self._bulk = BulkPipe(lanes, config.bulk_reader_nice) if lanes else None
         self.local_role, self.local_node_id = local_role, local_node_id
         self.remote_address = _format_address(ws.remote_address)
         self.error: ProtocolError | None = None
@@ -91,8 +94,8 @@ class Link:
             bulk_threshold_bytes=config.bulk_threshold_bytes,
             on_failure=self._writer_failed, name=local_node_id)
         self._inbox: asyncio.Queue[object] = asyncio.Queue(config.recv_queue_frames)
-        self._records = RecordReader(config.max_frame_bytes, bulk=bulk is not None,
-                                     name=local_node_id)
+        self._records = RecordReader(config.max_frame_bytes, bulk=bool(lanes),
+                                     name=local_node_id, lanes=max(1, len(lanes)))
         self._head: object | None = None
         self._last_bulk_read: asyncio.Future | None = None
         self._body_sink: BodySink | None = None
@@ -119,6 +122,11 @@ class Link:
     @property
     def has_bulk(self) -> bool:
         return self._bulk is not None
+
+    @property
+    def bulk_lanes(self) -> int:
+        """Bulk lanes (parallel TCP streams for bodies) this link has: 0 without a channel."""
+        return self._bulk.lanes if self._bulk is not None else 0
 
     @property
     def closed(self) -> bool:
@@ -362,24 +370,11 @@ class Link:
         return items
 
     def _start_bulk_read(self, bulk: BulkBody) -> asyncio.Future:
-        """Queue the body read on the bulk thread; recv() or the delivery awaits it in order."""
+        """Queue the body read on its lane; recv() or the delivery awaits the frame in order."""
         # Read the body even for an unknown frame type, to keep the stream in step.
-        body_read = self._bulk.read(bulk.n_bytes, self._sink_buffer(bulk))
-        frame: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        def arrived(done: asyncio.Future) -> None:
-            if frame.done():
-                return
-            if done.cancelled():
-                frame.set_result(None)
-            elif done.exception() is not None:
-                # recv() skips the None and then meets the close the failure queues.
-                frame.set_result(None)
-                self._spawn_fail((done.exception(), CLOSE_POLICY_VIOLATION))
-            else:
-                frame.set_result(self._records.bulk_frame(bulk, done.result()))
-
-        body_read.add_done_callback(arrived)
+        frame = self._bulk.read_frame(
+            bulk, self._sink_buffer(bulk), self._records.bulk_frame,
+            lambda exc: self._spawn_fail((exc, CLOSE_POLICY_VIOLATION)))
         self._last_bulk_read = frame
         return frame
 

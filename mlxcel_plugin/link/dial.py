@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from mlxcel_plugin.errors import ProtocolError
 from mlxcel_plugin.link.bulk import BulkChannel
-from mlxcel_plugin.link.bulk_attach import attach_client
+from mlxcel_plugin.link.bulk_attach import BulkLanesRefused, attach_client
 from mlxcel_plugin.link.connection import CLOSE_POLICY_VIOLATION, Link, LinkClosed, LinkConfig
 from mlxcel_plugin.link.protocol.handshake import ClientHandshake
 from mlxcel_plugin.link.protocol.handshake_messages import PeerAtCapacity
@@ -60,7 +60,8 @@ async def dial_link(addr: str, secret: ClusterSecret | bytes, role: str, node_id
 async def _client_handshake(ws: ClientConnection, secret: ClusterSecret | bytes, role: str,
                             node_id: str, expect_roles: Collection[str] | None,
                             config: LinkConfig) -> ClientHandshake:
-    hs = ClientHandshake(secret, role, node_id, want_bulk=config.bulk, expect_roles=expect_roles,
+    hs = ClientHandshake(secret, role, node_id, want_bulk=config.bulk,
+                         bulk_lanes=config.bulk_lanes, expect_roles=expect_roles,
                          max_record_bytes=config.max_record_bytes)
     await ws.send(hs.start())
     await ws.send(hs.receive(await recv_handshake_message(ws)))
@@ -68,7 +69,9 @@ async def _client_handshake(ws: ClientConnection, secret: ClusterSecret | bytes,
     return hs
 
 
-async def _attach_bulk(host: str, hs: ClientHandshake, config: LinkConfig) -> BulkChannel | None:
+async def _attach_bulk(host: str, hs: ClientHandshake,
+                       config: LinkConfig) -> list[BulkChannel] | None:
+    """Attach every bulk lane the peer granted (lane 0 alone from a peer without lanes)."""
     extra = hs.verdict.extra
     port, token = extra.get("bulk_port"), extra.get("bulk_token")
     if not config.bulk or not isinstance(port, int) or not isinstance(token, bytes):
@@ -76,7 +79,30 @@ async def _attach_bulk(host: str, hs: ClientHandshake, config: LinkConfig) -> Bu
     chunk = extra.get("bulk_chunk_bytes", config.bulk_chunk_bytes)
     if not isinstance(chunk, int) or not 0 < chunk <= config.max_record_bytes:
         raise ProtocolError("peer announced an invalid bulk chunk size")
-    return await attach_client(host, port, token, hs.session, chunk, config.bulk_io_timeout_s)
+    tokens = [token, *_lane_tokens(extra, config.bulk_lanes)]
+    attaching = [attach_client(host, port, lane_token, hs.session, chunk,
+                               config.bulk_io_timeout_s, lane, config.bulk_pipeline)
+                 for lane, lane_token in enumerate(tokens)]
+    results = await asyncio.gather(*attaching, return_exceptions=True)
+    channels = [r for r in results if isinstance(r, BulkChannel)]
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        for channel in channels:
+            channel.close()
+        raise failed
+    return channels
+
+
+def _lane_tokens(extra: dict, asked: int) -> list[bytes]:
+    """The tokens of lanes 1.. the peer granted; more lanes than asked are refused."""
+    lanes = extra.get("bulk_lanes", 1)
+    tokens = extra.get("bulk_lane_tokens", [])
+    if (not isinstance(lanes, int) or not isinstance(tokens, list) or len(tokens) != lanes - 1
+            or not all(isinstance(t, bytes) for t in tokens)):
+        raise ProtocolError("peer announced malformed bulk lanes")
+    if lanes > asked:
+        raise BulkLanesRefused(f"peer granted {lanes} bulk lanes, more than the {asked} asked")
+    return tokens
 
 
 # ---------------------------------------------------------------- reconnecting

@@ -108,8 +108,9 @@ class _Admission:
     """One connection's claim: a reserved link slot and, maybe, a bulk token."""
 
     reserved: bool = False
-    bulk_token: bytes | None = None
-    bulk_future: asyncio.Future | None = None
+    bulk_tokens: list[bytes] = field(default_factory=list)  # one per lane
+    bulk_futures: list[asyncio.Future] = field(default_factory=list)
+    taken: bool = False  # the lanes' sockets were handed to the link
 
 
 @dataclass
@@ -154,10 +155,19 @@ class _Acceptor:
         admission.reserved = True
         if self.bulk is None or not session.peer.wants_bulk:
             return {**self.announce}
-        token, future = self.bulk.expect(session)
-        admission.bulk_token, admission.bulk_future = token, future
-        return {**self.announce, "bulk_port": self.bulk.port, "bulk_token": token,
-                "bulk_chunk_bytes": self.config.bulk_chunk_bytes}
+        lanes = min(session.peer.bulk_lanes, self.config.bulk_max_lanes)
+        for lane in range(lanes):
+            token, future = self.bulk.expect(session, lane)
+            admission.bulk_tokens.append(token)
+            admission.bulk_futures.append(future)
+        # Lane 0's token where one-lane peers look for it; "bulk_lanes" only where asked.
+        extra = {**self.announce, "bulk_port": self.bulk.port,
+                 "bulk_token": admission.bulk_tokens[0],
+                 "bulk_chunk_bytes": self.config.bulk_chunk_bytes}
+        if lanes > 1:
+            extra["bulk_lanes"] = lanes
+            extra["bulk_lane_tokens"] = admission.bulk_tokens[1:]
+        return extra
 
     async def _establish(self, ws: ServerConnection) -> Link | None:
         peer_addr = _format_address(ws.remote_address)
@@ -194,10 +204,13 @@ class _Acceptor:
     def _release(self, admission: _Admission) -> None:
         if admission.reserved:
             self.reserved -= 1
-        if admission.bulk_token is not None:
-            self.bulk.forget(admission.bulk_token)
-        if admission.bulk_future is not None and not admission.bulk_future.done():
-            admission.bulk_future.cancel()  # a late bulk hello then finds it done and closes
+        for token in admission.bulk_tokens:
+            self.bulk.forget(token)
+        for future in admission.bulk_futures:
+            if not future.done():
+                future.cancel()  # a late bulk hello then finds it done and closes
+            elif not future.cancelled() and future.exception() is None and not admission.taken:
+                future.result().close()  # a lane that came in for a link that never started
 
     async def _handshake(self, ws: ServerConnection, hs: ServerHandshake,
                          admission: _Admission) -> Link | None:
@@ -209,12 +222,12 @@ class _Acceptor:
                     else CLOSE_POLICY_VIOLATION)
             await ws.close(code, hs.verdict.kind.value)
             return None
-        bulk = None
-        if admission.bulk_future is not None:
-            sock = await admission.bulk_future
-            bulk = make_channel(sock, hs.session, self.config.bulk_chunk_bytes,
-                                self.config.bulk_io_timeout_s)
-        return Link(ws, hs.session, self.config, bulk, local_role=self.role,
+        socks = list(await asyncio.gather(*admission.bulk_futures))
+        admission.taken = True  # the channels own the sockets from here
+        bulk = [make_channel(sock, hs.session, self.config.bulk_chunk_bytes,
+                             self.config.bulk_io_timeout_s, lane, self.config.bulk_pipeline)
+                for lane, sock in enumerate(socks)]
+        return Link(ws, hs.session, self.config, bulk or None, local_role=self.role,
                     local_node_id=self.node_id)
 
     def _log_refusal(self, hs: ServerHandshake, ws: ServerConnection) -> None:

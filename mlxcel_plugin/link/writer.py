@@ -19,7 +19,7 @@ from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.link.bulk import BulkPipe
+from mlxcel_plugin.link.bulk_lanes import BulkPipe
 from mlxcel_plugin.link.protocol.frames import (
     BodyParts,
     Frame,
@@ -177,8 +177,11 @@ class LinkWriter:
         prefix = encode_header(frame.type, frame.header)
         body = frame.body
         if self._on_bulk(frame):
-            await self._send_record(bulk_record(len(body), prefix))
-            self._start_bulk_write(body, size)
+            lane = self._bulk.next_lane()
+            # One-lane links announce as before lanes existed (peers without lanes read it).
+            await self._send_record(bulk_record(len(body), prefix,
+                                                lane if self._bulk.lanes > 1 else None))
+            self._start_bulk_write(body, size, lane)
             return True
         limit = self._max_record_bytes - 1
         if len(prefix) + len(body) <= limit:
@@ -189,9 +192,9 @@ class LinkWriter:
         return False
 
     def _start_bulk_write(self, body: bytes | bytearray | memoryview | BodyParts,
-                          size: int) -> None:
-        """Hand the body to the bulk thread; its budget is released once it is on the socket."""
-        future = self._bulk.write(body)
+                          size: int, lane: int) -> None:
+        """Hand the body to its lane's thread; its budget is released once it is on the socket."""
+        future = self._bulk.write(body, lane)
         self._bulk_writes += 1
 
         def written(done: asyncio.Future) -> None:

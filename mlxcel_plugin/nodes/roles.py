@@ -28,6 +28,7 @@ from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
+from mlxcel_plugin.link.config import default_bulk_lanes
 from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
@@ -103,8 +104,10 @@ def link_config(role: str) -> LinkConfig:
 
 
 def kv_link_config() -> LinkConfig:
-    """Links a prefill node dials to decode nodes to hand KV caches over."""
-    return LinkConfig(bulk_threshold_bytes=KV_BULK_THRESHOLD_BYTES)
+    """Links a prefill node dials to decode nodes to hand KV caches over: bodies spread
+    over parallel bulk lanes (``MLXCEL_BULK_LANES``, else one per core up to 4)."""
+    return LinkConfig(bulk_threshold_bytes=KV_BULK_THRESHOLD_BYTES,
+                      bulk_lanes=default_bulk_lanes())
 
 
 def node_settings(config: ServerConfig) -> NodeSettings:

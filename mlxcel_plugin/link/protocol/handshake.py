@@ -20,11 +20,14 @@ import enum
 import hashlib
 import hmac
 import os
+import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mlxcel_plugin.link.protocol.handshake_messages import (
     FLAG_WANTS_BULK,
@@ -69,6 +72,24 @@ from mlxcel_plugin.link.protocol.secret import ClusterSecret
 
 # ---------------------------------------------------------------- session
 
+# Bulk lanes (parallel bulk TCP streams of one link): a client asks for up to
+# MAX_BULK_LANES in its HELLO flags (bits 4-7 hold lanes - 1; a peer that predates
+# lanes leaves them 0, i.e. one lane), authenticated with the rest of the transcript.
+MAX_BULK_LANES = 16
+_LANES_SHIFT = 4
+_LANE_KDF_INFO = b"mlxcel bulk lane v1"
+
+
+def lanes_flags(lanes: int) -> int:
+    """The HELLO flag bits that ask for ``lanes`` bulk lanes (1..MAX_BULK_LANES)."""
+    if not 1 <= lanes <= MAX_BULK_LANES:
+        raise ValueError(f"bulk lanes must be 1..{MAX_BULK_LANES}, not {lanes}")
+    return (lanes - 1) << _LANES_SHIFT
+
+
+def lanes_from_flags(flags: int) -> int:
+    return ((flags >> _LANES_SHIFT) & 0x0F) + 1
+
 
 @dataclass(frozen=True)
 class PeerInfo:
@@ -77,6 +98,7 @@ class PeerInfo:
     major: int
     minor: int
     wants_bulk: bool = False
+    bulk_lanes: int = 1  # lanes the (client) peer asked for; a server caps it at its own max
 
 
 @dataclass
@@ -89,19 +111,36 @@ class Session:
     receiver: RecordReceiver = field(repr=False)
     keys: KeySchedule = field(repr=False)
 
-    def bulk_records(self, max_record_bytes: int) -> tuple[RecordSender, RecordReceiver]:
-        """Record streams for the bulk channel (own keys, own sequence numbers)."""
-        k = self.keys
-        c2s = (k.kb_c2s, k.ivb_c2s, LABEL_BULK_C2S)
-        s2c = (k.kb_s2c, k.ivb_s2c, LABEL_BULK_S2C)
-        out, inn = (c2s, s2c) if self.is_client else (s2c, c2s)
+    def bulk_records(self, max_record_bytes: int, lane: int = 0
+                     ) -> tuple[RecordSender, RecordReceiver]:
+        """Record streams for bulk lane ``lane`` (own keys, own sequence numbers).
+
+        Lane 0 uses the handshake's bulk keys (as before lanes existed); lane i > 0
+        gets keys and IV prefixes derived from them with the lane index in the HKDF
+        info and its own AAD label, so no (key, nonce) pair is ever used on two lanes.
+        """
+        out, inn = (_bulk_direction(self.keys, lane, c2s=self.is_client),
+                    _bulk_direction(self.keys, lane, c2s=not self.is_client))
         return (RecordSender(*out, max_record_bytes=max_record_bytes),
                 RecordReceiver(*inn, max_record_bytes=max_record_bytes))
 
     def channel_mac(self, label: bytes, token: bytes) -> bytes:
-        """A MAC binding an extra channel (the bulk socket) to this handshake."""
+        """A MAC binding an extra channel (a bulk lane's socket) to this handshake."""
         return hmac.new(self.keys.k_auth, label + token + self.keys.transcript_hash,
                         hashlib.sha256).digest()
+
+
+def _bulk_direction(keys: KeySchedule, lane: int, *, c2s: bool) -> tuple[bytes, bytes, bytes]:
+    """(key, IV prefix, AAD label) of one direction of bulk lane ``lane``."""
+    key, iv, label = ((keys.kb_c2s, keys.ivb_c2s, LABEL_BULK_C2S) if c2s
+                      else (keys.kb_s2c, keys.ivb_s2c, LABEL_BULK_S2C))
+    if lane == 0:
+        return key, iv, label
+    if not 0 < lane < MAX_BULK_LANES:
+        raise ValueError(f"bulk lane {lane} is outside 0..{MAX_BULK_LANES - 1}")
+    info = _LANE_KDF_INFO + label + struct.pack(">B", lane)
+    okm = HKDF(hashes.SHA256(), 36, keys.transcript_hash, info).derive(key + iv)
+    return okm[:32], okm[32:], label + b" lane %d" % lane
 
 
 def _make_session(is_client: bool, peer: PeerInfo, keys: KeySchedule,
@@ -176,12 +215,13 @@ class ClientHandshake(_Handshake):
     """Dialing side: ``start()`` then ``receive()`` each server message until ``done``."""
 
     def __init__(self, secret: ClusterSecret | bytes, role: str, node_id: str, *,
-                 want_bulk: bool = False, expect_roles: Collection[str] | None = None,
+                 want_bulk: bool = False, bulk_lanes: int = 1,
+                 expect_roles: Collection[str] | None = None,
                  rng: Callable[[int], bytes] = os.urandom, major: int = PROTOCOL_MAJOR,
                  minor: int = PROTOCOL_MINOR,
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
         super().__init__(secret, role, node_id, rng, major, minor, max_record_bytes)
-        self._flags = FLAG_WANTS_BULK if want_bulk else 0
+        self._flags = (FLAG_WANTS_BULK | lanes_flags(bulk_lanes)) if want_bulk else 0
         self._expect_roles = frozenset(expect_roles) if expect_roles else None
         self._client_hello = b""
         self.state = State.START
@@ -276,7 +316,8 @@ class ServerHandshake(_Handshake):
         shared = x25519_shared(self._private, hello.pubkey)
         self._keys = derive_keys(shared, self._secret, hello.random, self._random, message + body)
         self.peer = PeerInfo(hello.role, hello.node_id, hello.major, hello.minor,
-                             wants_bulk=bool(hello.flags & FLAG_WANTS_BULK))
+                             wants_bulk=bool(hello.flags & FLAG_WANTS_BULK),
+                             bulk_lanes=lanes_from_flags(hello.flags))
         self.state = State.WAIT_FINISHED
         return body + handshake_mac(self._keys, b"server")
 

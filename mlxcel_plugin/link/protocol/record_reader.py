@@ -27,6 +27,7 @@ from mlxcel_plugin.link.protocol.frames import (
 logger = logging.getLogger("mlxcel_plugin.link")
 
 KIND_FRAME, KIND_BULK, KIND_PART, KIND_LAST, KIND_BATCH = 0, 1, 2, 3, 4
+KIND_BULK_LANE = 5  # a BULK record naming its lane (u8) first; only on links of > 1 lane
 BATCH_MIN_MINOR = 1  # peers of an older minor version get one frame per record
 _FRAME_LEN = struct.Struct(">I")
 BULK_LEN = struct.Struct(">Q")  # a BULK record: body length, then the frame without its body
@@ -45,9 +46,11 @@ def frame_record(encoded_frame: bytes | memoryview) -> bytes:
     return b"".join((bytes([KIND_FRAME]), encoded_frame))
 
 
-def bulk_record(body_bytes: int, encoded_header: bytes) -> bytes:
-    """Announces a frame whose ``body_bytes`` of body follow on the bulk channel."""
-    return b"".join((bytes([KIND_BULK]), BULK_LEN.pack(body_bytes), encoded_header))
+def bulk_record(body_bytes: int, encoded_header: bytes, lane: int | None = None) -> bytes:
+    """Announces a frame whose ``body_bytes`` of body follow on the bulk channel (on
+    ``lane`` where the link has several)."""
+    kind = bytes([KIND_BULK]) if lane is None else bytes([KIND_BULK_LANE, lane])
+    return b"".join((kind, BULK_LEN.pack(body_bytes), encoded_header))
 
 
 def part_records(encoded_frame: bytes, limit: int) -> Iterator[bytes]:
@@ -93,6 +96,7 @@ class BulkBody:
     type_code: int
     header: dict[str, Any]
     n_bytes: int
+    lane: int = 0
 
 
 class RecordReader:
@@ -103,8 +107,9 @@ class RecordReader:
     records are refused unless the link has a ``bulk`` channel.
     """
 
-    def __init__(self, max_frame_bytes: int, *, bulk: bool, name: str = ""):
+    def __init__(self, max_frame_bytes: int, *, bulk: bool, name: str = "", lanes: int = 1):
         self._max_frame_bytes, self._bulk, self._name = max_frame_bytes, bulk, name
+        self._lanes = lanes
         self._parts: list[bytes] = []
         self._parts_bytes = 0
 
@@ -114,6 +119,10 @@ class RecordReader:
         kind, payload = plain[0], memoryview(plain)[1:]
         if kind == KIND_BULK:
             return [self._bulk_body(payload)]
+        if kind == KIND_BULK_LANE and len(payload) > 1:
+            if payload[0] >= self._lanes:
+                raise ProtocolError(f"BULK record names lane {payload[0]} of {self._lanes}")
+            return [self._bulk_body(payload[1:], payload[0])]
         if kind == KIND_BATCH:
             frames = (self._decode(frame) for frame in split_batch(payload))
             return [frame for frame in frames if frame is not None]
@@ -138,14 +147,14 @@ class RecordReader:
             logger.debug("link %s: skipping unknown frame type %d", self._name, bulk.type_code)
             return None
 
-    def _bulk_body(self, payload: memoryview) -> BulkBody:
+    def _bulk_body(self, payload: memoryview, lane: int = 0) -> BulkBody:
         if not self._bulk or len(payload) < BULK_LEN.size:
             raise ProtocolError("BULK record on a link without a bulk channel")
         (n_bytes,) = BULK_LEN.unpack_from(payload)
         if n_bytes > self._max_frame_bytes:
             raise FrameTooLarge(f"bulk body of {n_bytes} bytes exceeds {self._max_frame_bytes}")
         type_code, header, _ = split_frame(payload[BULK_LEN.size:])
-        return BulkBody(type_code, header, n_bytes)
+        return BulkBody(type_code, header, n_bytes, lane)
 
     def _add_part(self, payload: memoryview) -> None:
         self._parts_bytes += len(payload)
