@@ -2,8 +2,9 @@
 
 The engine asks ``use_request`` before a prefill's forwards and ``use_sequences``
 before each decode group's forward (``DecodeBatch.before_group``). A request on
-an adapter never touches the prefix cache: the cache's entries are keyed by
-tokens, and an adapter's K/V for the same tokens differ from the base's.
+an adapter keys its prefix-cache entries by ``prefix_key``: the adapter's name
+and digest, as an adapter's K/V for the same tokens differ from the base's (and
+from another version's of the same name).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class EngineAdapters:
     def use_sequences(self, sequences: Seq[Any]) -> None:
         self.adapters.use([s.request.adapter for s in sequences])
 
-    def prefix_for(self, request: GenerationRequest, prefix: Any, no_prefix: Any) -> Any:
-        """The prefix cache this request may read and fill: none on an adapter."""
-        return prefix if request.adapter is None else no_prefix
+    def held(self) -> dict[str, str]:
+        """Adapters a new request may name: name -> digest (retiring ones are not)."""
+        return {name: adapter.digest for name, adapter in self.adapters.loaded.items()
+                if name not in self.adapters.retiring}
+
+    def prefix_key(self, request: GenerationRequest | None) -> tuple[str, str] | None:
+        """The prefix-cache key of the request's K/V: None for the base's."""
+        if request is None or request.adapter is None:
+            return None
+        adapter = self.adapters.loaded.get(request.adapter)
+        return None if adapter is None else (adapter.name, adapter.digest)
