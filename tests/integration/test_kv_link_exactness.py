@@ -52,9 +52,11 @@ LANES = {"full": 1, "streamed": 1, "layer-parallel": 3}
 
 
 def _link_config() -> Any:
+    from mlxcel_plugin.link.config import default_bulk_lanes
     from mlxcel_plugin.link.connection import LinkConfig
 
-    return LinkConfig(ping_interval_s=None, ping_timeout_s=None)
+    # Bodies spread over the bulk lanes KV links use (nodes.roles.kv_link_config).
+    return LinkConfig(ping_interval_s=None, ping_timeout_s=None, bulk_lanes=default_bulk_lanes())
 
 
 def _emit_line(data: dict[str, Any]) -> None:
