@@ -34,7 +34,7 @@ def make_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,  # only flags actually given override TOML/env
     )
     add = parser.add_argument
-    add("--model", help="mlx-lm checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
+    add_model_flags(parser)
     add("--served-model-name", help="model name served at /v1/models (default: dir name)")
     add("--host", help="HTTP bind host (default 127.0.0.1)")
     add("--port", type=int, help="HTTP port (default 8080)")
@@ -72,6 +72,24 @@ def make_parser() -> argparse.ArgumentParser:
     add("--shard-rank", type=int, help="this process's rank in --shard-hostfile (0 serves)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="log level")
     return parser
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and, for a hybrid node serving several, its bounds (docs/models.md)."""
+    add = parser.add_argument
+    add("--model", action="append",
+        help="mlx-lm checkpoint dir (default: embedded SmolLM2-135M-Instruct); hybrid: "
+             "NAME=PATH, repeatable, serves several models (docs/models.md)")
+    add("--max-loaded-models", type=int,
+        help="hybrid, several models: at most N loaded at once (default 0: memory decides)")
+    add("--model-memory-bytes", type=int,
+        help="hybrid, several models: weights loaded at once, in bytes (default 0: half "
+             "the machine's memory)")
+    add("--model-wait-s", type=float,
+        help="hybrid, several models: how long a request waits for a busy model to go idle "
+             "before a 503 (default 30)")
+    add("--load-on-start", action="store_true",
+        help="hybrid, several models: load them at start (as many as fit), not on first use")
 
 
 def resolve_default_model() -> str:

@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 from mlxcel_plugin.adapter_specs import parse_adapter_spec
 from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheConfig
 from mlxcel_plugin.errors import ConfigError
+from mlxcel_plugin.model_specs import ModelSpec, parse_model_specs, specs_from_toml
 from mlxcel_plugin.speculative.settings import METHODS, SpeculativeConfig
 
 ROLES = ("hybrid", "prefill", "decode", "router")
@@ -57,6 +58,13 @@ class ServerConfig:
     shard_ranks: int = 1
     shard_hostfile: str | None = None
     shard_rank: int = 0
+    # Several models on a hybrid node (docs/models.md): "NAME=PATH" each, from a repeated
+    # --model or [models.NAME] tables; empty: the one ``model``.
+    models: tuple[str, ...] = ()
+    max_loaded_models: int = 0  # 0: as many as the memory budget allows
+    model_memory_bytes: int = 0  # weights of the loaded models together; 0: half the machine's
+    model_wait_s: float = 30.0  # a request for an unloaded model waits this long for an idle one
+    load_on_start: bool = False  # False: each model loads on its first request
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -101,6 +109,7 @@ PREFIX_CACHE_SECTION = "prefix_cache"
 PREFIX_CACHE_BYTES_ENV = "MLXCEL_PREFIX_CACHE_BYTES"
 PREFIX_CACHE_BYTES_FLAG = "prefix_cache_bytes"  # --prefix-cache-bytes
 ADAPTERS_FLAG = "adapters"  # --adapter, repeatable
+MODEL_FLAG = "model"  # --model PATH or NAME=PATH, repeatable
 ENABLE_LORA_FLAG = "enable_lora"  # --enable-lora
 SPECULATIVE_SECTION = "speculative"
 
@@ -185,7 +194,8 @@ def read_toml(path: str) -> dict[str, Any]:
 
 def _toml_values(document: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
     server = dict(document.get(SERVER_SECTION, {}))
-    server_fields = {f.name for f in fields(ServerConfig)} - {"engine_config", "sections"}
+    server_fields = {f.name for f in fields(ServerConfig)} - {"engine_config", "sections",
+                                                               "models"}  # [models.NAME]
     unknown = sorted(set(server) - server_fields)
     if unknown:
         raise ConfigError(f"[server]: unknown key(s) {', '.join(unknown)}")
@@ -203,6 +213,7 @@ def build_config(
     prefix_cache_bytes = cli_values.pop(PREFIX_CACHE_BYTES_FLAG, None)
     adapters = tuple(cli_values.pop(ADAPTERS_FLAG, ()))
     enable_lora = cli_values.pop(ENABLE_LORA_FLAG, False)
+    model_texts = cli_values.pop(MODEL_FLAG, None)
     config = _apply(ServerConfig(), _env_values(env), "env")
     toml_path = cli_values.get("distributed_config") or config.distributed_config
     engine_values: dict[str, Any] = {}
@@ -214,7 +225,7 @@ def build_config(
         prefix_toml = other.pop(PREFIX_CACHE_SECTION, {})
         speculative_toml = other.pop(SPECULATIVE_SECTION, {})
         config = replace(config, sections=other)
-    config = _apply(config, cli_values, "flag")
+    config = with_models(_apply(config, cli_values, "flag"), model_texts)
     # --no-warmup beats [engine] warmup; otherwise [engine] beats [server]/env.
     if "warmup" in cli_values:
         engine_values["warmup"] = config.warmup
@@ -231,6 +242,30 @@ def build_config(
                             enable_lora=bool(enable_lora or adapters or engine_config.enable_lora))
     config = replace(config, engine_config=engine_config, warmup=engine_config.warmup)
     return validate(config)
+
+
+def with_models(config: ServerConfig, texts: str | list[str] | None) -> ServerConfig:
+    """``--model`` values (else a node's ``[models.NAME]`` tables) into ``model``/``models``.
+
+    One plain PATH is today's single model; ``NAME=PATH`` names it; several make ``models``
+    (the first is the default model: ``model`` and ``served_model_name``).
+    """
+    texts = [texts] if isinstance(texts, str) else texts
+    if texts:
+        specs = parse_model_specs(texts)
+    elif config.role == "hybrid" and config.section("models"):
+        specs = specs_from_toml(config.section("models"))
+    else:
+        return config
+    if isinstance(specs[0], str):
+        return replace(config, model=specs[0])
+    first = specs[0]
+    if config.served_model_name not in (None, first.name):
+        raise ConfigError(f"--served-model-name {config.served_model_name!r} and --model "
+                          f"{first.as_flag()!r} name the model twice")  # fmt: skip
+    named = tuple(spec.as_flag() for spec in specs if isinstance(spec, ModelSpec))
+    return replace(config, model=first.path, served_model_name=first.name,
+                   models=named if len(named) > 1 else ())
 
 
 PREFIX_GRANULARITIES = ("auto", "chunk")
@@ -296,6 +331,7 @@ def validate(config: ServerConfig) -> ServerConfig:
         if tls_file and not Path(tls_file).is_file():
             raise ConfigError(f"no such file: {tls_file}")
     _validate_shards(config)
+    _validate_models(config)
     if config.model is not None and not Path(config.model).is_dir():
         raise ConfigError(f"--model {config.model}: not a checkpoint directory")
     return config
@@ -313,3 +349,19 @@ def _validate_shards(config: ServerConfig) -> None:
         raise ConfigError(f"--shard-hostfile: no such file {config.shard_hostfile}")
     if config.shard_rank < 0 or (config.shard_rank and not config.shard_hostfile):
         raise ConfigError("--shard-rank R needs --shard-hostfile and R >= 0")
+
+
+def _validate_models(config: ServerConfig) -> None:
+    if config.models and config.role != "hybrid":
+        raise ConfigError(f"--node-role {config.role} serves one model: give --model once "
+                          "(several models: hybrid nodes, docs/models.md)")  # fmt: skip
+    if config.models and (config.engine_config.adapters or config.engine_config.enable_lora):
+        raise ConfigError("--adapter / --enable-lora serve one model's adapters: not with "
+                          "several --model yet")  # fmt: skip
+    if config.models and (config.shard_ranks > 1 or config.shard_hostfile):
+        raise ConfigError("--shard-* splits one model: not with several --model")
+    for flag, value in (("--max-loaded-models", config.max_loaded_models),
+                        ("--model-memory-bytes", config.model_memory_bytes),
+                        ("--model-wait-s", config.model_wait_s)):  # fmt: skip
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {value}")

@@ -46,6 +46,7 @@ from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.drain import DrainGate, DrainingServer
 from router_plugin.http.front import make_app
 from router_plugin.http.model_dispatch import ModelDispatcher
+from router_plugin.http.node_models import make_models_hybrid_app
 from router_plugin.http.options import FrontOptions
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ def make_hybrid_app(config: Any, registry: PluginRegistry) -> FastAPI:
 
 def run_hybrid(config: Any, registry: PluginRegistry) -> None:
     """Serve until interrupted (``mlxcel_register_roles`` entry for ``hybrid``)."""
+    if config.models:  # several --model NAME=PATH (router_plugin/http/node_models.py)
+        dispatcher = make_models_hybrid_app(config, registry)
+        logger.info("hybrid node serving %s on http://%s:%s", ", ".join(dispatcher.apps),
+                    config.host, config.port)  # fmt: skip
+        _serve(dispatcher, config, dispatcher)
+        return
     app = make_hybrid_app(config, registry)
     logger.info("hybrid node serving %s on %s://%s:%s", served_model_name(config),
                 "https" if config.ssl_certfile else "http", config.host, config.port)  # fmt: skip
