@@ -25,13 +25,11 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 from mlxcel_plugin.engine_api import (
     FINISH_ERROR,
-    Engine,
     GenerationRequest,
     TokenEvent,
     kv_buffer_maker,
@@ -41,7 +39,6 @@ from mlxcel_plugin.engine_api import (
 )
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import AtCapacityError, HandoffError, MlxcelError
-from mlxcel_plugin.kv_codecs import KVCodec
 from mlxcel_plugin.kv_serde import HandoffHeader, PrefixMissing, make_ack
 from mlxcel_plugin.kv_serde.convert import receiving_forms
 from mlxcel_plugin.link import Link
@@ -55,14 +52,22 @@ from mlxcel_plugin.link.protocol.frames import (
     Result,
     Telemetry,
 )
+from mlxcel_plugin.nodes.decode_records import (
+    Claim,
+    DecodeNodeParts,
+    Live,
+    Ready,
+    UnknownRequest,
+)
 from mlxcel_plugin.nodes.drain import NodeDrain
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics, register_inference_extension
+from mlxcel_plugin.nodes.node_adapters import NodeAdapters
 from mlxcel_plugin.nodes.outbox import Outbox, token_result
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
-from mlxcel_plugin.scheduling import DecodeScheduler, DecodeSchedulerConfig
+from mlxcel_plugin.scheduling import DecodeScheduler
 from mlxcel_plugin.speculative.metrics import register_speculative
 
 logger = logging.getLogger(__name__)
@@ -70,41 +75,6 @@ logger = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.25
 UNCLAIMED = "<unclaimed>"
 _ENDED_MEMORY = 4096
-
-
-class UnknownRequest(HandoffError):
-    code = "unknown_request"
-
-
-@dataclass
-class _Claim:
-    owner: Outbox
-    created_s: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Ready:
-    """Complete KV; acked only once claimed, so the prefill keeps its copy until we own it."""
-
-    completed: Completed
-    at_s: float = field(default_factory=time.monotonic)
-    acked: bool = False
-
-
-@dataclass
-class _Live:
-    owner: Outbox
-    last_token_s: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class DecodeNodeParts:
-    engine: Engine
-    scheduler_config: DecodeSchedulerConfig
-    codecs: Mapping[str, KVCodec]
-    transfer_timeout_s: float = 30.0
-    kv_budget_bytes: int = 4 << 30  # sizes the receive pool (kv_serde.pool.pool_bytes_for)
-    model_bytes: int = 0
 
 
 class DecodeNode:
@@ -117,12 +87,13 @@ class DecodeNode:
                                         make_buffers=kv_buffer_maker(self.engine),
                                         kv_budget_bytes=parts.kv_budget_bytes,
                                         model_bytes=parts.model_bytes, plain=plain)
-        self.claims: dict[str, _Claim] = {}
-        self.local: dict[str, tuple[_Claim, GenerationRequest]] = {}  # waiting for admission
-        self.ready: dict[str, _Ready] = {}
-        self.live: dict[str, _Live] = {}
+        self.claims: dict[str, Claim] = {}
+        self.local: dict[str, tuple[Claim, GenerationRequest]] = {}  # waiting for admission
+        self.ready: dict[str, Ready] = {}
+        self.live: dict[str, Live] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self.drain = NodeDrain(node_id)  # SIGTERM: refuse new claims, finish what is here
+        self.adapters = NodeAdapters(self.engine)
         self._prefill_outboxes: dict[Link, Outbox] = {}
         self._tokens: EngineMailbox[TokenEvent] | None = None  # made on the loop
         stats = self.scheduler.stats
@@ -139,7 +110,7 @@ class DecodeNode:
         stats, engine = self.scheduler.stats(), self.engine.stats()
         return Telemetry(self.node_id, "decode", stats.queue_depth, len(self.live),
                          stats.free_kv_fraction, engine.tokens_per_s,
-                         *prefix_telemetry(engine.prefix_cache))
+                         *prefix_telemetry(engine.prefix_cache), adapters=self.adapters.held())
 
     def health(self) -> dict[str, Any]:
         stats = self.scheduler.stats()
@@ -190,6 +161,7 @@ class DecodeNode:
             on_request=lambda request: self._on_claim(outbox, request),
             on_cancel=lambda request_id: self.cancel(request_id, "cancelled by the router"),
             reply=outbox.put, admit=self.drain.admit,
+            on_adapter=lambda command: self.adapters.on_command(command, outbox.put),
         )
 
     def _on_prefill_frame(self, link: Link, outbox: Outbox, frame: Frame) -> None:
@@ -212,12 +184,13 @@ class DecodeNode:
         if frame.request_id in self.live or frame.request_id in self.local:
             raise MlxcelError(f"request {frame.request_id} is already decoding",
                               code="duplicate_request")
+        self.adapters.check(frame.adapter, frame.adapter_digest)  # before any KV is taken
         if not frame.claim:
             self._on_local_request(outbox, request)
             return
         # A renewed claim (re-routed prefill) replaces the old one; the id lives again.
         self._ended.pop(frame.request_id, None)
-        self.claims[frame.request_id] = _Claim(outbox)
+        self.claims[frame.request_id] = Claim(outbox, adapter=frame.adapter)
         self._start_if_ready(frame.request_id)
 
     def _on_local_request(self, outbox: Outbox, request: GenerationRequest) -> None:
@@ -225,7 +198,7 @@ class DecodeNode:
         kv_bytes = self.fingerprint.kv_bytes(len(request.prompt_tokens) + request.max_tokens)
         self._ended.pop(request.request_id, None)
         self.scheduler.offer(request.request_id, UNCLAIMED, kv_bytes)
-        self.local[request.request_id] = (_Claim(outbox), request)
+        self.local[request.request_id] = (Claim(outbox), request)
         self.scheduler.on_kv_complete(request.request_id)
         self._admit()
 
@@ -262,7 +235,7 @@ class DecodeNode:
         elif isinstance(outcome, Completed):
             ingest = outcome.ingest
             self.metrics.ingest_time.observe(time.monotonic() - ingest.started_s)
-            self.ready[ingest.request_id] = _Ready(outcome)
+            self.ready[ingest.request_id] = Ready(outcome)
             self._start_if_ready(ingest.request_id)
 
     def _send_refusal(self, refused: Refused) -> None:
@@ -303,13 +276,13 @@ class DecodeNode:
         for request_id in self.scheduler.admit():
             if request_id in self.local:
                 claim, request = self.local.pop(request_id)
-                self.live[request_id] = _Live(claim.owner)
+                self.live[request_id] = Live(claim.owner)
                 self.engine.generate(request, self._tokens.put)
                 continue
             completed = self.ready.pop(request_id).completed
             claim = self.claims.pop(request_id)
-            self.live[request_id] = _Live(claim.owner)
-            request = completed.state.header.to_request()
+            self.live[request_id] = Live(claim.owner)
+            request = replace(completed.state.header.to_request(), adapter=claim.adapter)
             self.engine.decode(request, completed.first_token, completed.state.cache,
                                self._tokens.put)
 
@@ -390,7 +363,7 @@ class DecodeNode:
                 self._refuse_ready(ready, UnknownRequest("KV nobody claimed"))
                 self._end(request_id)
 
-    def _refuse_ready(self, ready: _Ready, error: HandoffError) -> None:
+    def _refuse_ready(self, ready: Ready, error: HandoffError) -> None:
         ingest = ready.completed.ingest
         self._send_refusal(Refused(ingest.request_id, ingest.handoff_id, ingest.epoch,
                                    ingest.reply, error))

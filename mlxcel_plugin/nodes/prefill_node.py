@@ -43,6 +43,7 @@ from mlxcel_plugin.nodes.handoff_policy import FINAL_REFUSALS, delta_prefix_toke
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.handoff_start import HandoffStarter
 from mlxcel_plugin.nodes.metrics import PrefillMetrics, register_inference_extension
+from mlxcel_plugin.nodes.node_adapters import NodeAdapters
 from mlxcel_plugin.nodes.outbox import Outbox
 from mlxcel_plugin.nodes.prefill_job import NodeJob, PrefillNodeParts
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
@@ -66,6 +67,7 @@ class PrefillNode:
         allowlist = DecodeAllowlist.from_env(os.environ if env is None else env)
         self.targets = DecodeTargets(own, parts.decode_peers, allowlist, node_id)
         self.jobs: dict[str, NodeJob] = {}
+        self.adapters = NodeAdapters(self.engine)
         self.drain = NodeDrain(node_id)  # SIGTERM: refuse new requests, finish these jobs
         self.metrics = PrefillMetrics(lambda: self.scheduler.stats().queued, self.held_kv_bytes)
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
@@ -93,7 +95,8 @@ class PrefillNode:
         elapsed = max(time.monotonic() - self._since_s, 1e-9)
         return Telemetry(self.node_id, "prefill", stats.queued, stats.running + stats.handing_off,
                          1.0 - self.kv_used_fraction(), self._prompt_tokens / elapsed,
-                         *prefix_telemetry(self.engine.stats().prefix_cache))
+                         *prefix_telemetry(self.engine.stats().prefix_cache),
+                         adapters=self.adapters.held())
 
     def health(self) -> dict[str, Any]:
         stats = self.scheduler.stats()
@@ -121,12 +124,14 @@ class PrefillNode:
     def _on_router_frame(self, outbox: Outbox, frame: Frame) -> None:
         dispatch_router_frame(frame, lambda request: self._on_request(outbox, request),
                               lambda request_id: self.cancel(request_id, "cancelled by the router"),
-                              outbox.put, self.drain.admit)
+                              outbox.put, self.drain.admit,
+                              lambda command: self.adapters.on_command(command, outbox.put))
 
     def _on_request(self, outbox: Outbox, frame: Request) -> None:
         if frame.claim:
             raise FrameError("a prefill node takes no claims", code="claim_refused")
         self.fingerprint.check_supported()  # a model with no handoff form: a 501 naming the class
+        self.adapters.check(frame.adapter, frame.adapter_digest)  # its K/V depend on the adapter
         request = generation_request(frame)
         target, pinned = self.targets.choose(frame.decode_target)
         if self.targets.known(target):
@@ -146,7 +151,9 @@ class PrefillNode:
 
     def _submit(self, outbox: Outbox, frame: Request, request: Any, target: str,
                 pinned: bool) -> None:
-        prefix = delta_prefix_tokens(frame.decode_cached_tokens, pinned, self.fingerprint)
+        # A decode node pins a held prefix by tokens alone: an adapter's K/V always go whole.
+        held = frame.decode_cached_tokens if frame.adapter is None else 0
+        prefix = delta_prefix_tokens(held, pinned, self.fingerprint)
         now = time.monotonic()
         self.scheduler.submit(PrefillJob(request.request_id, len(request.prompt_tokens), target),
                               now, kv_used_fraction=self.kv_used_fraction())

@@ -10,6 +10,7 @@ from typing import Any
 from mlxcel_plugin.engine_api import GenerationRequest, SamplingParams
 from mlxcel_plugin.errors import InvalidRequestError, MlxcelError
 from mlxcel_plugin.link.protocol.frames import (
+    AdapterCommand,
     Cancel,
     ErrorFrame,
     Frame,
@@ -60,6 +61,7 @@ def generation_request(frame: Request) -> GenerationRequest:
         max_tokens=frame.max_tokens,
         sampling=sampling_params(frame.sampling),
         stop_token_ids=tuple(frame.stop_token_ids),
+        adapter=frame.adapter,
     )
 
 
@@ -69,11 +71,13 @@ def dispatch_router_frame(
     on_cancel: Callable[[str], None],
     reply: Callable[[Frame], None],
     admit: Callable[[Request], None] = lambda request: None,
+    on_adapter: Callable[[AdapterCommand], None] | None = None,
 ) -> None:
     """One frame from a router link: REQUEST or CANCEL; a bad one gets a named ERROR frame.
 
     Both node kinds share this, so a router sees the same error codes from either.
-    ``admit`` may refuse a REQUEST by raising (a draining node: ``nodes/drain.py``).
+    ``admit`` may refuse a REQUEST by raising (a draining node: ``nodes/drain.py``);
+    ``on_adapter`` takes ADAPTER commands (``nodes/node_adapters.py``).
     """
     request_id = frame.header.get("request_id")
     request_id = request_id if isinstance(request_id, str) else None
@@ -84,6 +88,8 @@ def dispatch_router_frame(
             on_request(request)
         elif frame.type is FrameType.CANCEL:
             on_cancel(Cancel.from_frame(frame).request_id)
+        elif frame.type is FrameType.ADAPTER and on_adapter is not None:
+            on_adapter(AdapterCommand.from_frame(frame))
         else:
             logger.debug("ignoring a %s frame from a router", frame.type.name)
     except (FrameError, MlxcelError) as exc:
