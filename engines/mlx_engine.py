@@ -81,7 +81,7 @@ class MlxEngine:
         # Engine-thread state.
         self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
-        self._batch, self._speed = SpeculativeBatch(model, config.speculative), SpeedMeter()
+        self._batch, self._speed = SpeculativeBatch(model, config.speculative, info), SpeedMeter()
         self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, self.config)

@@ -78,13 +78,17 @@ def settle_groups(groups: list[Any], widths: list[int], kept: list[int]) -> None
     for group, width in zip(groups, widths, strict=True):
         mine = kept[start : start + len(group.sequences)]
         start += len(group.sequences)
-        surplus = [width - n for n in mine]
-        if group.batched:
-            _drop_batched(group.caches, surplus)
-        elif surplus[0]:
-            for cache in group.caches:
-                cache.trim(surplus[0])
+        drop_rows(group, [width - n for n in mine])
         group.lengths = [n + k for n, k in zip(group.lengths, mine, strict=True)]
+
+
+def drop_rows(group: Any, surplus: list[int]) -> None:
+    """Drop sequence i's last ``surplus[i]`` cached rows (its lengths are the caller's)."""
+    if group.batched:
+        _drop_batched(group.caches, surplus)
+    elif surplus[0]:
+        for cache in group.caches:
+            cache.trim(surplus[0])
 
 
 def _drop_batched(caches: list[Any], surplus: list[int]) -> None:

@@ -55,11 +55,11 @@ class ScriptedBatch(SpeculativeBatch):
     """Proposals from a script: (sequence) -> tokens."""
 
     def __init__(self, model, script):
-        super().__init__(model, SpeculativeConfig(method="ngram"))
+        # Not adaptive: every scripted proposal is verified, whatever the group's cost.
+        super().__init__(model, SpeculativeConfig(method="ngram", adaptive=False))
         self.script = script
 
-    def _propose(self, sequence: Sequence) -> list[int]:
-        super()._propose(sequence)  # keeps its plan (the counts)
+    def _propose(self, sequence: Sequence, plan, limit: int) -> list[int]:
         return self.script(sequence)
 
 
