@@ -279,7 +279,7 @@ class KVAssembler:
 
     def _tensor_complete(self, index: int, layer: ReceivedLayer, tensor: str) -> None:
         """Check a whole tensor against end (when known); adopt the layer once both are whole."""
-        if self._end is not None:
+        if self._end is not None and layer.checksummed:
             self._check_crc(index, layer, tensor)
         if layer.complete and self.adopt is not None:
             layer.adopt(self.adopt)
@@ -340,6 +340,7 @@ class KVAssembler:
             claimed={name: np.zeros(n, dtype=bool) for name, n in rows.items()},
             rows_left=dict(rows),
             crc_of_bodies=self._begun().checksum_of == CHECKSUM_OF_ENCODED,
+            checksummed=self._begun().checksummed,
         )
         self._layers[index] = layer
         self.allocated_bytes += size

@@ -25,23 +25,25 @@ from mlxcel_plugin.kv_serde.errors import (
 from mlxcel_plugin.kv_serde.fields import MAX_LAYERS, MAX_TOKENS
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec, kv_layer, parse_layers
 from mlxcel_plugin.kv_serde.messages import KVMessage
-from mlxcel_plugin.link.protocol.checksum import crc32_combine
+from mlxcel_plugin.kv_serde.versions import (
+    AEAD_ONLY_SERDE_VERSION,
+    BODY_CHECKSUM_SERDE_VERSION,
+    CHECKSUM_OF_ENCODED,
+    CHECKSUM_OF_HELD,
+    CHECKSUM_OF_NONE,
+    CHECKSUM_VERSIONS,
+    DELTA_SERDE_VERSION,
+    IDENTITY_CODEC,
+    SERDE_VERSION,
+    SUPPORTED_SERDE_VERSIONS,
+)
 from mlxcel_plugin.logprobs import MAX_TOP_LOGPROBS
 from mlxcel_plugin.structured_output import MAX_GRAMMAR_CHARS
 
-SERDE_VERSION = 1  # a full handoff
-# A delta handoff (``prefix_tokens`` > 0): a receiver older than it refuses it at the begin
-# (``handoff_unsupported_version``) instead of taking the shorter layers for the whole cache.
-DELTA_SERDE_VERSION = 2
-# ``checksum_of = "encoded"``: the end's checksums cover the chunk bodies as sent, not the
-# decoded bytes. A lossy codec's sender then need not decode its own output to know what the
-# receiver will hold, and two nodes whose float kernels round differently (int8's rotation is
-# a BLAS matmul) still agree. Sent only to peers that announce it (``kv_serde`` below); a node
-# that cannot combine crc32s of chunks arriving out of order does not.
-BODY_CHECKSUM_SERDE_VERSION = 3
-SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION) + (
-    (BODY_CHECKSUM_SERDE_VERSION,) if crc32_combine is not None else ())
-CHECKSUM_OF_HELD, CHECKSUM_OF_ENCODED = "held", "encoded"
+__all__ = ["AEAD_ONLY_SERDE_VERSION", "BODY_CHECKSUM_SERDE_VERSION", "CHECKSUM_OF_ENCODED",
+           "CHECKSUM_OF_HELD", "CHECKSUM_OF_NONE", "DELTA_SERDE_VERSION", "IDENTITY_CODEC",
+           "SERDE_VERSION", "SUPPORTED_SERDE_VERSIONS", "HandoffHeader", "ModelFingerprint",
+           "SerializableSamplingState"]
 SUPPORTED_CACHE_KINDS = frozenset(
     {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache", "ChunkedKVCache"}
 )
@@ -262,11 +264,15 @@ def _prefix_tokens(data: Any, version: int, prompt_length: int, context: int) ->
 
 def _checksum_of(data: Any, version: int) -> str:
     kind = data.get("checksum_of", CHECKSUM_OF_HELD)
-    if kind not in (CHECKSUM_OF_HELD, CHECKSUM_OF_ENCODED):
-        raise MalformedHandoff(f"checksum_of must be 'held' or 'encoded', got {kind!r:.40}")
-    if kind == CHECKSUM_OF_ENCODED and version < BODY_CHECKSUM_SERDE_VERSION:
-        raise MalformedHandoff(f"checksum_of 'encoded' needs serde version "
-                               f"{BODY_CHECKSUM_SERDE_VERSION}")
+    if kind not in CHECKSUM_VERSIONS:
+        raise MalformedHandoff(f"checksum_of must be 'held', 'encoded' or 'none', "
+                               f"got {kind!r:.40}")
+    if version < CHECKSUM_VERSIONS[kind]:
+        raise MalformedHandoff(f"checksum_of {kind!r} needs serde version "
+                               f"{CHECKSUM_VERSIONS[kind]}")
+    if kind == CHECKSUM_OF_NONE and data.get("codec") != IDENTITY_CODEC:
+        raise MalformedHandoff("checksum_of 'none' is for codec 'none' only: a codec that "
+                               "transforms the bytes keeps its digest")
     return kind
 
 
@@ -301,15 +307,19 @@ class HandoffHeader:
     checksum_of: str = CHECKSUM_OF_HELD  # what the end's crc32s cover (see above)
 
     @property
+    def checksummed(self) -> bool:
+        """Whether the end's crc32s are checked (not for ``checksum_of = "none"``)."""
+        return self.checksum_of != CHECKSUM_OF_NONE
+
+    @property
     def shipped_tokens(self) -> int:
         """Positions each layer carries: the prompt less the receiver's prefix."""
         return self.prompt_length - self.prefix_tokens
 
     @property
     def wire_version(self) -> int:
-        if self.checksum_of == CHECKSUM_OF_ENCODED:
-            return max(self.version, BODY_CHECKSUM_SERDE_VERSION)
-        return max(self.version, DELTA_SERDE_VERSION) if self.prefix_tokens else self.version
+        version = max(self.version, CHECKSUM_VERSIONS[self.checksum_of])
+        return max(version, DELTA_SERDE_VERSION) if self.prefix_tokens else version
 
     def to_dict(self) -> dict[str, Any]:
         data = {

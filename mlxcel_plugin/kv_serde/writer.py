@@ -23,6 +23,7 @@ from mlxcel_plugin.kv_serde.errors import (
 )
 from mlxcel_plugin.kv_serde.header import (
     CHECKSUM_OF_ENCODED,
+    IDENTITY_CODEC,
     SUPPORTED_CACHE_KINDS,
     HandoffHeader,
 )
@@ -52,7 +53,9 @@ class KVWriter:
     A layer ships the arrays its ``LayerSpec`` names, in that order; arrays the
     spec does not mark ``coded`` go raw whatever the codec. The end message
     carries a crc32 per layer array over the bytes the receiver will hold —
-    for a lossy codec, the sender decodes its own output.
+    for a lossy codec, the sender decodes its own output — or, for
+    ``checksum_of = "none"`` (raw bodies, which AES-GCM authenticates), zeros:
+    no pass over the bytes.
     A delta header (``prefix_tokens``) makes every layer ship only the
     positions after the prefix: give it whole layers, it slices them.
     ``rows(i, first_token, arrays)`` sends a cell's rows of a plain KVCache layer
@@ -77,6 +80,10 @@ class KVWriter:
         self._checksums: dict[int, tuple[int, int]] = {}
         self._early: dict[int, EarlyRows] = {}  # layers some of whose rows went ahead
         self._crc_of_bodies = header.checksum_of == CHECKSUM_OF_ENCODED
+        self._checksummed = header.checksummed
+        if not self._checksummed and codec.name != IDENTITY_CODEC:
+            raise MalformedHandoff(f"checksum_of 'none' with codec {codec.name!r}: a codec "
+                                   "that transforms the bytes keeps its digest")
 
     def begin(self) -> KVMessage:
         return self.header.to_message()
@@ -198,7 +205,8 @@ class KVWriter:
                     f"{self.codec.name} chunk of {len(body)} bytes exceeds {self.max_body_bytes}"
                 )
             over_body = not spec.coded or self._crc_of_bodies
-            counted(row, body if over_body else self._held_bytes(part, body, meta))
+            if self._checksummed:
+                counted(row, body if over_body else self._held_bytes(part, body, meta))
             header = ChunkHeader(self.header.handoff_id, self.header.epoch, index, tensor, row,
                                  part.shape[0], len(body), descriptor, meta)
             out.append(KVMessage("chunk", header.to_dict(), body))

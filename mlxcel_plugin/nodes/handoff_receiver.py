@@ -123,7 +123,9 @@ class HandoffReceiver:
         ingest = self.ingests.get(handoff_id) if isinstance(handoff_id, str) else None
         if ingest is None or header.get("epoch") != ingest.epoch:
             return None
-        return chunk_destinations(ingest.assembler.chunk_destination, header, n_bytes)
+        begun = ingest.assembler.header
+        return chunk_destinations(ingest.assembler.chunk_destination, header, n_bytes,
+                                  checksums=begun is None or begun.checksummed)
 
     def feed(self, link: Link, frame: Frame) -> Outcome:
         """Apply one KV frame; raises MalformedHandoff when it cannot even be routed."""

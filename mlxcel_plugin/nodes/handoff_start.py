@@ -15,9 +15,12 @@ from typing import Any
 from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
 from mlxcel_plugin.kv_serde.convert import cast_fingerprint, casting
 from mlxcel_plugin.kv_serde.header import (
+    AEAD_ONLY_SERDE_VERSION,
     BODY_CHECKSUM_SERDE_VERSION,
     CHECKSUM_OF_ENCODED,
     CHECKSUM_OF_HELD,
+    CHECKSUM_OF_NONE,
+    IDENTITY_CODEC,
 )
 from mlxcel_plugin.nodes.decode_targets import DecodeTargets
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
@@ -70,7 +73,10 @@ class HandoffStarter:
 
     def checksum_of(self, target: str, codec: str) -> str:
         """A lossy codec's checksums cover the bodies sent, where the target reads that: the
-        sender then skips decoding its own output, and nodes rounding floats differently agree."""
+        sender then skips decoding its own output, and nodes rounding floats differently agree.
+        Raw bodies carry none where the target reads that: AES-GCM authenticates them."""
+        if codec == IDENTITY_CODEC and self.links.speaks(target, AEAD_ONLY_SERDE_VERSION):
+            return CHECKSUM_OF_NONE
         chosen = self.parts.codecs.get(codec)
         lossy = chosen is not None and not chosen.lossless
         if lossy and self.links.speaks(target, BODY_CHECKSUM_SERDE_VERSION):

@@ -111,7 +111,7 @@ def declared_sizes(chunks: list[Any]) -> list[int] | None:
 
 def chunk_destinations(
     place: Callable[[Any], memoryview | LandedDecode | None], header: dict[str, Any],
-    n_bytes: int,
+    n_bytes: int, checksums: bool = True,
 ) -> memoryview | BodyParts | None:
     """A body sink's answer for a KV_CHUNK frame: ``place(chunk header)`` for each chunk.
 
@@ -119,8 +119,8 @@ def chunk_destinations(
     decoded by the link's bulk thread as soon as it is in. Chunks without a
     place get fresh buffers of their own; None when no chunk has a place or the
     header does not describe the body (the frame's feed then refuses it). The
-    parts ask for checksums, which ``frame_to_messages`` hands on as each
-    chunk's ``body_crc``.
+    parts ask for ``checksums`` (not for a handoff without them: ``checksum_of =
+    "none"``), which ``frame_to_messages`` hands on as each chunk's ``body_crc``.
     """
     try:
         chunks = chunk_headers(header)
@@ -136,7 +136,7 @@ def chunk_destinations(
     decodes = {i: p for i, p in enumerate(places) if isinstance(p, LandedDecode)}
     landed = (lambda index: decodes[index]() if index in decodes else None) if decodes else None
     # The bulk channel takes each chunk's crc32 as it lands, so no pass re-reads the bytes.
-    return BodyParts(views, checksums=True, landed=landed)
+    return BodyParts(views, checksums=checksums, landed=landed)
 
 
 def _view_of(place: memoryview | LandedDecode | None, size: int) -> memoryview:

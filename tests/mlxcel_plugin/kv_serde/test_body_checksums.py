@@ -140,7 +140,7 @@ def test_body_checksums_travel_as_serde_version_3_and_are_refused_below_it():
     assert "checksum_of" not in held.header and held.header["version"] == 1  # first format
     assert HandoffHeader.from_message(held).checksum_of == CHECKSUM_OF_HELD
     for changes, error in (({"version": 2}, "needs serde version 3"),
-                           ({"checksum_of": "decoded"}, "must be 'held' or 'encoded'")):
+                           ({"checksum_of": "decoded"}, "must be 'held', 'encoded' or 'none'")):
         changed = dataclasses.replace(message, header={**message.header, **changes})
         with pytest.raises(MalformedHandoff, match=error):
             HandoffHeader.from_message(changed)
