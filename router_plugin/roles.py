@@ -28,6 +28,8 @@ from mlxcel_plugin.plugins import PluginRegistry
 from mlxcel_plugin.prefix_cache_metrics import register_prefix_cache
 from mlxcel_plugin.speculative.metrics import register_speculative
 from mlxcel_plugin.text import TextTokenizer
+from router_plugin.cluster.adapter_commands import ClusterAdapters
+from router_plugin.cluster.adapter_routing import ServedAdapters
 from router_plugin.cluster.admission import AdmissionController, BackpressureConfig
 from router_plugin.cluster.backend import ClusterBackend, RouterConfig
 from router_plugin.cluster.health import HealthConfig, HealthMonitor
@@ -185,6 +187,10 @@ def make_router_app(config: Any, registry: PluginRegistry,
         RouterCollector(backend.stats, backend.pool, queue_depth)
     )
     app.state.backend = backend
+    # Adapters the nodes announce are models a request may name; load/unload reach every node.
+    app.state.front.adapters = ServedAdapters(backend.pool, served_model_name(config),
+                                              backend.clock)  # fmt: skip
+    install_adapter_routes(app, None, served_model_name(config), ClusterAdapters(backend.peers))
     return app
 
 

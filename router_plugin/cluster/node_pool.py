@@ -42,6 +42,7 @@ class NodeTelemetry:
     prefix_cached_bytes: int = 0
     prefix_evictions: int = 0
     prefix_capacity_bytes: int = 0
+    adapters: Mapping[str, str] = field(default_factory=dict)  # LoRA name -> digest held
 
 
 @dataclass
@@ -62,6 +63,13 @@ class _Node:
 
 def _age_s(since_s: float | None, now: float) -> float | None:
     return None if since_s is None else max(0.0, now - since_s)
+
+
+def _telemetry_stats(telemetry: NodeTelemetry, age_s: float) -> dict[str, Any]:
+    stats = {**asdict(telemetry), "age_s": age_s}
+    if not telemetry.adapters:  # a node without adapters shows what it always did
+        del stats["adapters"]
+    return stats
 
 
 def stats_verbose_from_env(env: Mapping[str, str]) -> bool:
@@ -213,6 +221,19 @@ class NodePool:
             return 0
         return self.prefixes.cached_tokens(node_id, blocks)
 
+    def note_adapter(self, node_id: str, name: str, digest: str | None) -> None:
+        """The node answered a load (``digest``) or unload (None): routable so at once."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            held = {k: v for k, v in node.telemetry.adapters.items() if k != name}
+            held.update({name: digest} if digest is not None else {})
+            node.telemetry = replace(node.telemetry, adapters=held)
+
+    def adapters(self, node_id: str, now: float) -> Mapping[str, str]:
+        """LoRA adapters (name -> digest) a serving node announced in fresh telemetry."""
+        node = self._nodes[node_id]
+        return self._fresh_telemetry(node, now)[0].adapters if self._serves(node) else {}
+
     def _serves(self, node: _Node) -> bool:
         """Healthy, and not refused by the router (another tokenizer or chat template)."""
         return node.health == NodeHealth.HEALTHY and not self.pairing.refused_by_router(
@@ -306,7 +327,7 @@ class NodePool:
             "consecutive_failures": node.consecutive_failures,
             "total_failures": node.total_failures,
             "prefix_blocks": self.prefixes.blocks_held(node.node_id),  # the router's guess
-            "telemetry": None if age_s is None else {**asdict(telemetry), "age_s": age_s},
+            "telemetry": None if age_s is None else _telemetry_stats(telemetry, age_s),
             **self._pairing_stats(node),
         }
         if verbose:

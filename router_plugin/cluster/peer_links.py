@@ -34,6 +34,7 @@ from mlxcel_plugin.errors import (
 from mlxcel_plugin.link import RETRYABLE, Backoff, ClusterSecret, Link, LinkConfig, dial_link
 from mlxcel_plugin.link.dial import Redial
 from mlxcel_plugin.link.protocol.frames import (
+    AdapterCommand,
     Cancel,
     ErrorFrame,
     Frame,
@@ -63,6 +64,7 @@ class PeerEvent:
     error: str | None = None
     code: str | None = None  # errors.py code of an ERROR frame
     lost: bool = False
+    adapter: AdapterCommand | None = None  # a node's answer to an ADAPTER command
 
 
 Sink = Callable[[PeerEvent], None]
@@ -303,6 +305,9 @@ class PeerLink:
             self._telemetry(Telemetry.from_frame(frame))
         elif kind is FrameType.ERROR:
             self._error(ErrorFrame.from_frame(frame))
+        elif kind is FrameType.ADAPTER:  # routed by command id (cluster/adapter_commands.py)
+            reply = AdapterCommand.from_frame(frame)
+            self._deliver(reply.command_id, PeerEvent(self.role, self.node_id, adapter=reply))
         elif kind is FrameType.PONG:
             waiter = self._pongs.get(Ping.from_frame(frame).nonce)
             if waiter is not None and not waiter.done():

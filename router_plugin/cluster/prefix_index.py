@@ -21,13 +21,15 @@ DEFAULT_MAX_BLOCKS_PER_NODE = 1 << 16
 MAX_CACHE_KEYS = 1 << 16  # prompt_cache_key -> node, LRU
 
 
-def prompt_blocks(tokens: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+def prompt_blocks(tokens: Sequence[int], block_tokens: int,
+                  adapter: str | None = None) -> tuple[int, ...]:  # fmt: skip
     """Chained keys of the prompt's whole blocks a node keeps: the last token stays out.
 
     A node caches the full prefill chunks of a prompt of ``T`` tokens, that is
     ``(T - 1) // block_tokens`` blocks (the last token is computed on its own).
+    A LoRA ``adapter``'s K/V differ from the base's: its chain starts elsewhere.
     """
-    keys, key = [], 0
+    keys, key = [], 0 if adapter is None else hash(("adapter", adapter))
     for end in range(block_tokens, len(tokens), block_tokens):
         key = hash((key, tuple(tokens[end - block_tokens : end])))
         keys.append(key)
@@ -59,8 +61,8 @@ class PrefixIndex:
         """The node the last request with ``key`` went to (None: none known)."""
         return None if key is None else self._key_nodes.get(key)
 
-    def blocks(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        return prompt_blocks(tokens, self.block_tokens)
+    def blocks(self, tokens: Sequence[int], adapter: str | None = None) -> tuple[int, ...]:
+        return prompt_blocks(tokens, self.block_tokens, adapter)
 
     def record(self, node_id: str, blocks: Sequence[int]) -> None:
         """The node was sent a prompt with these blocks: it holds them once it prefills."""

@@ -41,6 +41,7 @@ from mlxcel_plugin.errors import (
 )
 from mlxcel_plugin.link.protocol.frames import Request
 from mlxcel_plugin.logprobs import PromptLogprobs
+from router_plugin.cluster.adapter_routing import adapter_placement, with_adapter
 from router_plugin.cluster.migration import (
     DEFAULT_MAX_MIGRATIONS,
     DEFAULT_TOKEN_TIMEOUT_S,
@@ -106,7 +107,8 @@ class RoutedRequest:
         self.request = request  # the current attempt's: a migration extends its prompt
         self.ledger = MigrationLedger(request, context.max_migrations)
         self.resumed_at_s: float | None = None  # set while a migrated attempt awaits a token
-        self.blocks = context.pool.prefixes.blocks(request.prompt_tokens)  # prefix index keys
+        self.blocks = context.pool.prefixes.blocks(request.prompt_tokens, request.adapter)
+        self.adapter_digest: str | None = None  # of request.adapter, on both nodes placed
         self.bridge = StreamBridge()
         self.inbox: asyncio.Queue[tuple[int, PeerEvent]] = asyncio.Queue()
         self.placement: Placement | None = None
@@ -154,9 +156,13 @@ class RoutedRequest:
                            self.request.max_tokens, self.request.cache_key)
         select, excluded, pool = self.context.select, self.excluded, self.context.pool
         now = self.context.clock()  # only pairs that can hand the KV over are ever placed
+        self.adapter_digest, lacking = adapter_placement(pool, self.request.adapter, now)
+        excluded = excluded | lacking
         decode = await select(DECODE, info, excluded | pool.unpaired_decodes(excluded, now),
                               self.blocks)
+        # An adapter's K/V go whole: a decode node pins a held prefix by tokens alone.
         held = pool.cached_prefix_tokens(decode.node_id, self.blocks, now)
+        held = held if self.request.adapter is None else 0
         prefill = None
         if not self._local_on(held):
             prefill = await select(PREFILL, info,
@@ -191,6 +197,7 @@ class RoutedRequest:
         return lambda event: inbox.put_nowait((attempt, event))
 
     async def _send(self, placement: Placement, peer: PeerLink, request: Request) -> None:
+        request = with_adapter(request, self.request.adapter, self.adapter_digest)
         try:
             await peer.send(request.to_frame())
         except NodeLostError as exc:
@@ -305,7 +312,8 @@ class RoutedRequest:
         self.excluded.add(node_id)
         await self._release(self.placement, "migrated")
         self.request = self.ledger.next_request()
-        self.blocks = self.context.pool.prefixes.blocks(self.request.prompt_tokens)
+        self.blocks = self.context.pool.prefixes.blocks(self.request.prompt_tokens,
+                                                        self.request.adapter)  # fmt: skip
         self.bridge.resume()
         self.resumed_at_s = self.context.clock()
         try:
