@@ -50,8 +50,9 @@ exact parity with a single node needs lossless.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -65,13 +66,7 @@ from mlxcel_plugin.kv_codecs.base import (
     CorruptChunk,
     storage_dtype,
 )
-from mlxcel_plugin.kv_codecs.floats import (
-    F32_MAX,
-    finite_max,
-    from_float32,
-    round_down,
-    to_float32,
-)
+from mlxcel_plugin.kv_codecs.floats import finite_max, from_float32, round_down, to_float32
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
 from mlxcel_plugin.kv_codecs.quant_blocks import (
     BlockCursor,
@@ -80,6 +75,19 @@ from mlxcel_plugin.kv_codecs.quant_blocks import (
     column_extent,
     place_rows,
 )
+from mlxcel_plugin.kv_codecs.quant_decode import dequantize, needs_clip, restore
+from mlxcel_plugin.kv_codecs.quant_encode import (
+    SCALE,
+    SCALE_BF16,
+    SCALE_F2,
+    SCALE_F4,
+    extremes_reach,
+    group_extremes,
+    group_ranges,
+    max_scale,
+    narrow_scales,
+    quantize,
+)
 from mlxcel_plugin.kv_codecs.quant_format import (
     ChunkFormat,
     effective_group,
@@ -87,15 +95,19 @@ from mlxcel_plugin.kv_codecs.quant_format import (
     unpack_codes,
     widen_scales,
 )
-from mlxcel_plugin.kv_codecs.rotation import MAX_BLOCK, rotate, rotation_block
+from mlxcel_plugin.kv_codecs.rotation import (
+    ENCODE_BLOCK,
+    MAX_BLOCK,
+    is_rotation_block,
+    rotate,
+    rotation_block,
+)
+from mlxcel_plugin.kv_codecs.rotation_bound import exact_check, surely_within
 
 # Re-exported: callers imported the float helpers from here before they had a module.
 __all__ = ["GroupQuantCodec", "finite_max", "from_float32", "round_down", "to_float32"]
 
-_SCALE = np.dtype("<f4")
-SCALE_F4, SCALE_F2, SCALE_BF16 = "f4", "f2", "bf16"
-_SCALE_DTYPES = {SCALE_F4: _SCALE, SCALE_F2: np.dtype("<f2"), SCALE_BF16: np.dtype("<u2")}
-_F16_MIN_NORMAL = 2.0**-14  # below it a float16 scale loses precision
+_SCALE_DTYPES = {SCALE_F4: SCALE, SCALE_F2: np.dtype("<f2"), SCALE_BF16: np.dtype("<u2")}
 
 
 class GroupQuantCodec:
@@ -106,6 +118,7 @@ class GroupQuantCodec:
         token_group: int = 128,
         exact_tokens: int = 1,
         rotate: bool | None = None,
+        rotation_cap: int = ENCODE_BLOCK,
     ):
         if bits not in (4, 8):
             raise CodecError(f"bits must be 4 or 8, got {bits}")
@@ -119,7 +132,11 @@ class GroupQuantCodec:
         self.asymmetric_values = bits == 4
         # int8 rotates K/V rows (measured on SmolLM2); int4, measured the same way, does not gain.
         self.rotate = bits == 8 if rotate is None else rotate
-        # Worst case of a rotated element: half a step in each of the block's values.
+        if not is_rotation_block(rotation_cap, rotation_cap):
+            raise CodecError(f"rotation_cap must be a power of two 2..{MAX_BLOCK}")
+        self.rotation_cap = rotation_cap  # the largest Hadamard block rows rotate in
+        # Worst case of a rotated element: half a step in each of the block's values. Stated
+        # for the largest block a decoder accepts (encoders before this one rotated in 64).
         self.rotated_error = MAX_BLOCK * (1 + 2.0**-7) / (2 * self.qmax) if self.rotate else 0.0
         self.name = f"int{bits}"
         self.lossless = False
@@ -146,7 +163,7 @@ class GroupQuantCodec:
             group = effective_group(head_dim, self.group_size)
             return ChunkFormat(group, False, self.asymmetric_values, None)
         span = TokenSpan(layout.tokens, layout.first_token, min(self.exact_tokens, layout.tokens))
-        rotation = rotation_block(head_dim) if self.rotate else 0
+        rotation = rotation_block(head_dim, self.rotation_cap) if self.rotate else 0
         if layout.tensor == "k":
             return ChunkFormat(self.token_group, True, True, span, rotation)
         group = effective_group(head_dim, self.group_size)
@@ -176,8 +193,7 @@ class GroupQuantCodec:
         """(scale kind, body) of the chunk, encoded block by block (``quant_blocks``);
         None as ``_encode_rows``."""
         rows, head_dim = array.shape
-        checked = fmt.rotation and fmt.along_tokens
-        extent = column_extent(array, fmt, dtype) if checked else None
+        extent = functools.cache(lambda: column_extent(array, fmt, dtype))  # only if needed
         sections = []
         for block in blocks(fmt, rows, head_dim, starts):
             part, exact = array[block.start : block.stop], block.exact
@@ -198,103 +214,30 @@ class GroupQuantCodec:
         groups: DimGroups | TokenGroups,
         fmt: ChunkFormat,
         dtype: str,
-        column_extent: np.ndarray | None = None,
+        column_extent: Callable[[], np.ndarray],
     ) -> tuple[str, bytes, bytes, bytes] | None:
         """(scale kind, minimums, scales, codes) of the quantized rows; None where a rotation
         does not fit ``dtype`` or (keys) breaks the error bound: then send them unrotated."""
-        work = values
-        if fmt.rotation:
-            work = rotate(values, fmt.rotation)
-            # Half the range keeps rotated minimums and ranges finite in the dtype.
-            if not np.abs(work).max(initial=0.0) <= finite_max(dtype) / 2:
-                return None
-        stored_minimums, minimums, scales = self._group_ranges(work, groups, fmt.asymmetric, dtype)
-        kind, stored, scales = self._narrow_scales(scales, dtype, fmt.asymmetric)
-        codes = self._quantize(work, groups, minimums, scales)
+        work = rotate(values, fmt.rotation) if fmt.rotation else values
+        low, high = group_extremes(work, groups, fmt.asymmetric)
+        # Half the range keeps rotated minimums and ranges finite in the dtype.
+        if fmt.rotation and not extremes_reach(low, high) <= finite_max(dtype) / 2:
+            return None
+        steps = self.levels if fmt.asymmetric else self.qmax
+        stored_minimums, minimums, scales = group_ranges(low, high, steps, dtype, self.name)
+        limit = max_scale(dtype, steps, fmt.asymmetric)
+        kind, stored, scales = narrow_scales(scales, dtype, limit)
+        code_range = (0, self.levels) if fmt.asymmetric else (-self.qmax, self.qmax)
+        codes = quantize(work, groups, minimums, scales, code_range)
         if fmt.rotation and fmt.along_tokens:
-            # A rotated channel mixes every channel of its block over a token run, so a
-            # quiet element's error follows the loudest: check it against the bound.
-            decoded = groups.view(codes) * groups.expand(scales) + groups.expand(minimums)
-            error = decoded - work
-            if not self._within_rotated_bound(values, error, fmt.rotation, column_extent):
-                return None
+            proof = (values, work, groups, (scales, minimums), fmt.rotation, self.rotated_error)
+            if not surely_within(*proof):
+                decoded = groups.view(codes) * groups.expand(scales) + groups.expand(minimums)
+                if not exact_check(values, work, decoded, fmt.rotation, self.rotated_error,
+                                   column_extent):
+                    return None
         minimum_part = stored_minimums.tobytes() if fmt.asymmetric else b""
         return kind, minimum_part, stored.tobytes(), pack_codes(codes, self.bits, fmt.asymmetric)
-
-    def _within_rotated_bound(
-        self, values: np.ndarray, error: np.ndarray, block: int, column_extent: np.ndarray
-    ) -> bool:
-        """Every element's error within ``rotated_error`` of its row's or column's max |x|
-        (``column_extent``: over the whole chunk)."""
-        if not values.size:
-            return True
-        error = np.abs(rotate(error.reshape(values.shape), block))
-        extent = np.maximum(np.abs(values).max(axis=1, keepdims=True), column_extent)
-        return bool(np.all(error <= self.rotated_error * extent))
-
-    def _group_ranges(
-        self, values: np.ndarray, groups: DimGroups | TokenGroups, asymmetric: bool, dtype: str
-    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
-        """(minimums as stored, the same as float32, float32 scales; None, None, scales where
-        symmetric); refuses inf/nan."""
-        if asymmetric:
-            low, high = groups.reduce(values, np.minimum), groups.reduce(values, np.maximum)
-            # A stored minimum at or below the true one: codes stay within [0, levels].
-            with np.errstate(over="ignore", invalid="ignore"):
-                stored_low = round_down(low, dtype)
-                low = to_float32(stored_low, dtype)
-                scales = ((high - low) / self.levels).astype(_SCALE)
-            finite = np.isfinite(scales).all() and np.isfinite(low).all()
-        else:
-            stored_low, low = None, None
-            scales = (groups.reduce(np.abs(values), np.maximum) / self.qmax).astype(_SCALE)
-            finite = np.isfinite(scales).all()
-        if not finite:
-            raise CodecError(f"{self.name}: tensor holds inf/nan, cannot quantize")
-        return stored_low, low, scales
-
-    def _quantize(
-        self,
-        values: np.ndarray,
-        groups: DimGroups | TokenGroups,
-        minimums: np.ndarray | None,
-        scales: np.ndarray,
-    ) -> np.ndarray:
-        inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
-        grouped = groups.view(values)
-        if minimums is None:
-            codes = np.rint(grouped * groups.expand(inverse))
-            return np.clip(codes, -self.qmax, self.qmax, out=codes)
-        codes = np.rint((grouped - groups.expand(minimums)) * groups.expand(inverse))
-        return np.clip(codes, 0, self.levels, out=codes)
-
-    def _max_scale(self, dtype: str, asymmetric: bool) -> float:
-        """The largest scale an encoder of ``dtype`` data produces (an asymmetric range
-        spans up to twice the dtype's max), with slack for float32 rounding."""
-        reach = finite_max(dtype) if dtype != "bfloat16" else F32_MAX
-        steps = self.levels if asymmetric else self.qmax
-        return (2 if asymmetric else 1) * reach / steps * (1 + 2.0**-20)
-
-    def _narrow_scales(
-        self, scales: np.ndarray, dtype: str, asymmetric: bool
-    ) -> tuple[str, np.ndarray, np.ndarray]:
-        """(kind, scales as stored, the same as float32): half width where exact enough."""
-        limit = self._max_scale(dtype, asymmetric)
-        if dtype == "bfloat16":
-            bits = scales.view("<u4")
-            # Round up (never down: a smaller scale would clip the group's max).
-            up = ((bits.astype(np.uint64) + 0xFFFF) >> 16).astype("<u2")
-            widened = (up.astype("<u4") << 16).view("<f4")
-            if (widened <= limit).all():
-                return SCALE_BF16, up, widened
-        elif dtype == "float16":
-            half = scales.astype("<f2")
-            half = np.where(half.astype("<f4") < scales, np.nextafter(half, np.inf), half)
-            widened = half.astype("<f4")
-            usable = (widened == 0) | (widened >= _F16_MIN_NORMAL)
-            if usable.all() and (widened <= limit).all():
-                return SCALE_F2, half.astype("<f2"), widened
-        return SCALE_F4, scales, scales
 
     def decode(
         self, data: Buffer, meta: Mapping[str, Any], shape: tuple[int, ...], dtype: str
@@ -323,25 +266,16 @@ class GroupQuantCodec:
         scales = widen_scales(scales)
         self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
+        clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
         used = BlockCursor()
         for block in blocks(fmt, rows, head_dim, block_starts(fmt, rows, head_dim)):
             exact_part, group_part, code_part = used.advance(block, head_dim)
-            groups = block.groups
-            values = groups.view(codes[code_part].astype("<f4").reshape(-1, head_dim))
-            values = values * groups.expand(scales[group_part])
-            if minimums is not None:
-                values += groups.expand(minimums[group_part])
-            values = self._rotated_back(values.reshape(-1, head_dim), block.fmt, dtype)
+            block_minimums = minimums[group_part] if minimums is not None else None
+            values = dequantize(codes[code_part], block.groups, scales[group_part],
+                                block_minimums, head_dim)
+            decoded = restore(values, fmt.rotation, clip, dtype)
             place_rows(out[block.start : block.stop], block.exact, exact_values[exact_part],
-                       values, dtype)
-
-    def _rotated_back(self, values: np.ndarray, fmt: ChunkFormat, dtype: str) -> np.ndarray:
-        if fmt.rotation:
-            values = rotate(values, fmt.rotation)
-        if fmt.asymmetric or fmt.rotation:  # a minimum or a rotation can leave the range
-            limit = finite_max(dtype)
-            np.clip(values, -limit, limit, out=values)
-        return values
+                       decoded)
 
     def _sections(
         self,
@@ -383,10 +317,9 @@ class GroupQuantCodec:
         self, scales: np.ndarray, minimums: np.ndarray | None, dtype: str, asymmetric: bool
     ) -> None:
         """A scale or minimum no encoder of ``dtype`` data can produce means a corrupt body."""
+        limit = max_scale(dtype, self.levels if asymmetric else self.qmax, asymmetric)
         with np.errstate(invalid="ignore"):
-            ok = bool(np.all(scales >= 0)) and bool(
-                np.all(scales <= self._max_scale(dtype, asymmetric))
-            )
+            ok = bool(np.all(scales >= 0)) and bool(np.all(scales <= limit))
         if minimums is not None:
             ok = ok and bool(np.isfinite(minimums).all())
         if not ok:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from mlxcel_plugin.kv_codecs.floats import from_float32, to_float32
+from mlxcel_plugin.kv_codecs.floats import to_float32
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
 from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat
 
@@ -98,23 +98,24 @@ class BlockCursor:
 
 
 def place_rows(
-    out: np.ndarray, exact: np.ndarray | None, exact_values: np.ndarray, values: np.ndarray,
-    dtype: str,
+    out: np.ndarray, exact: np.ndarray | None, exact_values: np.ndarray, decoded: np.ndarray
 ) -> None:
-    """Write one block's rows into ``out``: exact rows as they came, the others decoded.
+    """Write one block's rows into ``out``: exact rows as they came, the others decoded
+    (``decoded``: any array that casts into ``out``'s dtype, ``rounded_for_storage``).
 
     Run by run (a head's first tokens are exact, the rest not): slices copy several times
-    faster than a boolean mask scatters."""
-    decoded = from_float32(values, dtype).reshape(-1, out.shape[1])
+    faster than a boolean mask scatters; the cast happens in the same pass as the copy."""
+    decoded = decoded.reshape(-1, out.shape[1])
     if exact is None:
-        out[...] = decoded
+        np.copyto(out, decoded, casting="unsafe")
         return
     sources = (decoded, exact_values.reshape(-1, out.shape[1]))
     used = [0, 0]
     edges = [0, *(np.flatnonzero(exact[1:] != exact[:-1]) + 1).tolist(), exact.size]
     for begin, end in zip(edges[:-1], edges[1:], strict=True):
         kind = int(exact[begin])
-        out[begin:end] = sources[kind][used[kind] : used[kind] + end - begin]
+        source = sources[kind][used[kind] : used[kind] + end - begin]
+        np.copyto(out[begin:end], source, casting="unsafe")
         used[kind] += end - begin
 
 

@@ -19,7 +19,13 @@ from mlxcel_plugin.kv_codecs import (
     to_float32,
 )
 from mlxcel_plugin.kv_codecs.quant import round_down
-from mlxcel_plugin.kv_codecs.rotation import hadamard, rotate, rotation_block
+from mlxcel_plugin.kv_codecs.rotation import (
+    ENCODE_BLOCK,
+    MAX_BLOCK,
+    hadamard,
+    rotate,
+    rotation_block,
+)
 from mlxcel_plugin.kv_serde import SerializableCacheState
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header, make_tensor
 
@@ -440,12 +446,17 @@ def test_hadamard_is_orthonormal_and_its_own_inverse():
         assert np.allclose(matrix @ matrix, np.eye(size), atol=1e-6)
         assert np.array_equal(matrix, matrix.T)
     values = heads(rows=4)
-    assert np.allclose(rotate(rotate(values, 64), 64), values, atol=1e-5)
+    for size in (16, 64):
+        assert np.allclose(rotate(rotate(values, size), size), values, atol=1e-5)
 
 
-@pytest.mark.parametrize(("head_dim", "block"), [(64, 64), (128, 64), (80, 16), (96, 32), (5, 0)])
-def test_rotation_block_is_the_largest_power_of_two_dividing_head_dim(head_dim, block):
-    assert rotation_block(head_dim) == block
+@pytest.mark.parametrize(("head_dim", "cap", "block"), [
+    (64, 16, 16), (128, 16, 16), (24, 16, 8), (5, 16, 0), (64, 64, 64), (128, 64, 64),
+    (80, 64, 16), (96, 64, 32),
+])
+def test_rotation_block_is_the_largest_power_of_two_dividing_head_dim(head_dim, cap, block):
+    assert rotation_block(head_dim, cap) == block
+    assert rotation_block(head_dim) == rotation_block(head_dim, ENCODE_BLOCK)
 
 
 @pytest.mark.parametrize(("bits", "rotated"), [(8, True), (4, False)])
@@ -454,29 +465,31 @@ def test_int8_rotates_rows_when_it_knows_the_layout(bits, rotated, tensor):
     array = heads(rows=32)
     layout = ChunkLayout(tensor, 32, 0) if tensor else None
     _, meta = GroupQuantCodec(bits).encode(array, "float32", layout)
-    assert meta.get("h") == (64 if rotated and tensor else None)
+    assert meta.get("h") == (ENCODE_BLOCK if rotated and tensor else None)
 
 
-def test_rotated_values_are_within_half_a_step_of_the_rotated_rows():
-    codec = GroupQuantCodec(8)
+@pytest.mark.parametrize("cap", [ENCODE_BLOCK, MAX_BLOCK])
+def test_rotated_values_are_within_half_a_step_of_the_rotated_rows(cap):
+    codec = GroupQuantCodec(8, rotation_cap=cap)
     array = heads(rows=32)
     decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("v", 32, 0))
-    assert meta["h"] == 64
+    assert meta["h"] == cap
     quantized = np.arange(len(array)) % 32 != 0
-    want, got = rotate(array[quantized], 64), rotate(decoded[quantized], 64)
+    want, got = rotate(array[quantized], cap), rotate(decoded[quantized], cap)
     step = group_max(want, 64) / codec.qmax
     assert np.all(np.abs(got - want) <= 0.5 * step * (1 + 1e-4) + 1e-5 * np.abs(want).max())
 
 
-def test_rotated_keys_are_within_half_a_step_of_the_rotated_channel_runs():
-    codec = GroupQuantCodec(8, token_group=16)
+@pytest.mark.parametrize("cap", [ENCODE_BLOCK, MAX_BLOCK])
+def test_rotated_keys_are_within_half_a_step_of_the_rotated_channel_runs(cap):
+    codec = GroupQuantCodec(8, token_group=16, rotation_cap=cap)
     array = heads(rows=64)[5:105]
     decoded, _, meta = round_trip(codec, array, "float32", ChunkLayout("k", 64, 5))
-    assert meta["h"] == 64
-    want = rotate(array, 64)
+    assert meta["h"] == cap
+    want = rotate(array, cap)
     half = token_group_half_steps(want, 64, 5, 16, 1, codec.levels)
     exact = (5 + np.arange(len(array))) % 64 == 0
-    error = np.abs(rotate(decoded, 64) - want)[~exact]
+    error = np.abs(rotate(decoded, cap) - want)[~exact]
     assert np.all(error <= half[~exact] * (1 + 1e-4) + 1e-5 * np.abs(want).max())
 
 
