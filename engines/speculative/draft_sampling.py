@@ -1,11 +1,13 @@
 """Draft proposals for one sequence: the draft's pick, and the target's verdict on each.
 
-Greedy requests propose the draft's argmax and keep it when the target picks it too.
-Sampled requests draw each proposal from the draft's distribution ``q`` (the
-request's temperature, top-k/p, min-p on the draft's logits) and the target keeps it
-by the rejection rule against its own ``p`` (``mlxcel_plugin/speculative/rejection.py``),
-so the tokens are distributed as the target's. Seeded, both draws come from
-(seed, position) streams of their own, so hybrid and decode nodes draw alike.
+Greedy and seeded requests propose the draft's argmax and keep it when the target's
+own sampler picks it too (the rejection rule for a point-mass proposal: tokens are
+exactly those of decoding without speculation). Unseeded sampled requests draw each
+proposal from the draft's distribution ``q`` (the request's temperature, top-k/p,
+min-p on the draft's logits) and the target keeps it by the rejection rule against
+its own ``p`` (``mlxcel_plugin/speculative/rejection.py``): more proposals kept, and
+the tokens are distributed as the target's. ``DraftVerifier`` takes a seed too (its
+draws then come from (seed, position) streams of their own: the tests use that).
 """
 
 from __future__ import annotations
@@ -76,9 +78,17 @@ class DraftVerifier:
 
 
 def wrap_sampled(sequence: Sequence) -> None:
-    """Give a sampled (non-greedy) sequence the rejection rule on its drafted rows."""
-    if not sequence.request.sampling.is_greedy and not isinstance(sequence.sampler,
-                                                                  DraftVerifier):
+    """Give an unseeded sampled sequence the rejection rule on its drafted rows.
+
+    Greedy and seeded sequences propose the draft's argmax instead: a point-mass
+    proposal judged by the plain sampler, so each token stays the one the sampler
+    draws at its position without speculation, whatever the step boundaries (a
+    migrated or handed-off seeded stream continues with the same tokens).
+    """
+    sampling = sequence.request.sampling
+    if sampling.is_greedy or sampling.seed is not None:
+        return
+    if not isinstance(sequence.sampler, DraftVerifier):
         sequence.sampler = DraftVerifier(sequence.sampler)
 
 

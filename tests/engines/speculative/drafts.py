@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 
 
-def noisy_copy(source: Path, out: Path, scale: float = 0.5, seed: int = 1) -> Path:
+def noisy_copy(source: Path, out: Path, scale: float = 0.1, seed: int = 1) -> Path:
     """``source`` with Gaussian noise of ``scale`` times each tensor's own spread."""
     shutil.copytree(source, out)
     mx.random.seed(seed)

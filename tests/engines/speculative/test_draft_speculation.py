@@ -1,11 +1,13 @@
 """MlxEngine with ``[speculative] method = "draft"``: a noisy copy of the tiny model drafts
 (it agrees with the target often, not always), so steps accept some proposals and reject
-others; every request still gets what a plain engine gives it alone: greedy tokens,
-logprobs, grammar-constrained output, a handed-off sequence continued. A draft whose
-tokenizer differs is refused at start with one line.
+others; every request still gets what a plain engine gives it alone: greedy and seeded
+tokens, logprobs, grammar-constrained output, a handed-off or migrated sequence
+continued. A draft whose tokenizer differs is refused at start with one line.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from engines.mlx_engine import MlxEngine
 from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, SamplingParams
 from mlxcel_plugin.errors import ConfigError
-from mlxcel_plugin.speculative.settings import SpeculativeConfig
+from mlxcel_plugin.speculative.settings import MethodCounts, SpeculativeConfig
 from tests.engines import support
 from tests.engines.speculative.drafts import noisy_copy, swapped_tokenizer_copy
 from tests.engines.speculative.test_engine_speculation import concurrently, repetitive_prompt
@@ -63,17 +65,34 @@ def test_a_batch_mixing_draft_ngram_and_plain_gives_each_its_plain_output(engine
     assert methods["ngram"].proposed > 0
 
 
-def test_seeded_sampling_with_a_draft_is_the_same_alone_and_in_a_batch(engines):
-    """The draft's draws and the rejection rule's come from (seed, position) streams."""
+def test_seeded_sampling_with_a_draft_is_plain_seeded_sampling(engines):
+    """Seeded: argmax proposals judged by the plain sampler, so the very same tokens."""
+    plain, spec = engines
+    seeded = request("seeded", 5, temperature=0.3, top_p=0.95, seed=11)
+    before = spec.stats().speculative.methods.get("draft", MethodCounts())
+    assert support.generate(spec, seeded).tokens == support.generate(plain, seeded).tokens
+    assert spec.stats().speculative.methods["draft"].accepted > before.accepted
+
+
+def test_unseeded_sampling_drafts_by_the_rejection_rule(engines):
+    """Proposals drawn from the draft; the rule keeps some (its distribution: unit tests)."""
     _, spec = engines
-    seeded = request("seeded", 5, temperature=0.9, top_p=0.95, seed=11)
-    before = spec.stats().speculative.methods.get("draft")
-    alone = support.generate(spec, seeded).tokens
-    after = spec.stats().speculative.methods["draft"]
-    assert after.accepted > (before.accepted if before else 0)  # the rule kept some draws
-    batch = concurrently(spec, [seeded, request("other", 6), request("third", 7)])
-    assert batch[0].tokens == alone
-    assert len(set(alone)) > 1
+    before = spec.stats().speculative.methods.get("draft", MethodCounts())
+    batch = [request(f"free-{i}", 9 + i, temperature=0.7) for i in range(3)]
+    for events in concurrently(spec, batch):
+        assert len(events.tokens) == MAX_TOKENS
+    assert spec.stats().speculative.methods["draft"].accepted > before.accepted
+
+
+def test_a_migrated_drafting_stream_continues_with_the_same_tokens(engines):
+    """Migration: prompt + streamed tokens placed anew; the draft prefills on all of them."""
+    _, spec = engines
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, seed=4)):
+        whole = GenerationRequest("whole", request("w", 10).prompt_tokens, MAX_TOKENS, sampling)
+        tokens = support.generate(spec, whole).tokens
+        moved = dataclasses.replace(whole, request_id="moved", max_tokens=MAX_TOKENS - 7,
+                                    prompt_tokens=whole.prompt_tokens + tuple(tokens[:7]))
+        assert support.generate(spec, moved).tokens == tokens[7:]
 
 
 def test_structured_output_with_a_draft_is_the_plain_output(engines):
