@@ -46,6 +46,9 @@ ENV_DESCRIPTIONS = {
     "MLXCEL_LOCUST_PROMPT_MIX": "prompt mix, e.g. `short:6,medium:3,long:1` (the default)",
     "MLXCEL_LOCUST_WAIT_S": "longest think time between a user's requests (default 0)",
     "MLXCEL_LOCUST_SEED": "prompt RNG seed (default 0; each user offsets it)",
+    "MLXCEL_BULK_LANES": "bulk lanes (parallel encrypted TCP streams) a prefill node asks per "
+    "link to a decode node, and the most a node grants a peer (1-16; default one per core up "
+    "to 4): a handoff's bodies spread over them ([bulk lanes](bulk-lanes.md))",
 }
 
 # "section.key" -> description, for fields without a comment in their dataclass.
