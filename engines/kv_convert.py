@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engines import cache_layout
+from engines import cache_layout, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
-from engines.unfilled import SlabCarver, mlx_view
+from engines.unfilled import SlabCarver, mlx_room_view, mlx_view
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, RowsReady
 from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 from mlxcel_plugin.kv_serde.header import ModelFingerprint
@@ -131,6 +131,21 @@ def kv_buffers(
     return carver.buffers(shape, np.dtype(dtype), storage, count)
 
 
+class ReceiveBuffers:
+    """An engine's ``kv_buffers`` (engine_api.Engine): ``kv_buffers`` below with a carver of
+    its own, made on first use; plain K/V get room for ``kv_room_step`` more positions."""
+
+    kv_room_step = kv_room.ROOM_STEP  # read by kv_serde.ReceiveMemory
+
+    def __init__(self) -> None:
+        self._carver: SlabCarver | None = None
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
+        if self._carver is None:
+            self._carver = SlabCarver(mx.new_stream(mx.cpu))
+        return kv_buffers(shape, dtype, count, self._carver)
+
+
 def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLayer:
     """The layer with its arrays as MLX arrays (storage dtype: bf16 stays uint16).
 
@@ -147,11 +162,18 @@ def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLaye
 
 
 def _as_mlx(x: np.ndarray | mx.array, stream: mx.Stream | None = None) -> mx.array:
-    """The MLX array a ``kv_buffers`` view shows, else a copy of ``x`` into MLX."""
+    """The MLX array a ``kv_buffers`` view shows (one cut from a buffer with room: its
+    ``kv_room`` entry remembers the buffer), else a copy of ``x`` into MLX."""
     if isinstance(x, mx.array):
         return x
     view = mlx_view(x, stream)
-    return mx.array(x) if view is None else view
+    if view is not None:
+        return view
+    room = mlx_room_view(x, stream)
+    if room is None:
+        return mx.array(x)
+    kv_room.remember(*room)
+    return room[0]
 
 
 def _to_mlx(x: np.ndarray | mx.array) -> mx.array:
@@ -161,11 +183,25 @@ def _to_mlx(x: np.ndarray | mx.array) -> mx.array:
 
 
 def from_cache_layer(layer: CacheLayer) -> Any:
-    """Rebuild the mlx-lm leaf cache a ``CacheLayer`` was exported from."""
+    """Rebuild the mlx-lm leaf cache a ``CacheLayer`` was exported from (a KVCache received
+    into buffers with room holds those buffers: its next tokens are written in place)."""
     if layer.dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
-    arrays = {name: _to_mlx(a) for name, a in layer.arrays().items()}
+    arrays = _with_room(layer) or {name: _to_mlx(a) for name, a in layer.arrays().items()}
     return cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
+
+
+def _with_room(layer: CacheLayer) -> dict[str, mx.array] | None:
+    """K and V as the whole buffers with room behind them (``kv_room``), evaluated so that
+    no view of them is left; None for a layer not received that way."""
+    if layer.kind != "KVCache" or layer.keys is None:
+        return None
+    full = {"k": kv_room.take(layer.keys), "v": kv_room.take(layer.values)}
+    if any(a is None for a in full.values()) or layer.keys.shape[2] != layer.offset:
+        return None
+    arrays = {name: _to_mlx(a) for name, a in full.items()}
+    mx.eval(list(arrays.values()))  # a bf16 view's input (the uint16 buffer) let go of
+    return arrays
 
 
 def to_cache_state(caches: list[Any], prompt_len: int | None = None) -> CacheState:

@@ -43,7 +43,6 @@ from engines.prefix.cache import PrefixCache
 from engines.prefix.splice import handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
 from engines.speculative.batch import SpeculativeBatch
-from engines.unfilled import SlabCarver
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -82,7 +81,7 @@ class MlxEngine:
         self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
         self._batch, self._speed = SpeculativeBatch(model, config.speculative, info), SpeedMeter()
-        self._carver: SlabCarver | None = None  # kv_buffers' own, off the engine stream
+        self.kv_buffers = kv_convert.ReceiveBuffers()  # received K/V land in MLX (engine_api)
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, self.config)
         self._nesting = cache_layout.nesting(cache_layout.make_prompt_cache(model))  # CacheLists
@@ -134,12 +133,6 @@ class MlxEngine:
     def adopt_layer(self, layer: CacheLayer) -> CacheLayer:
         """A received layer as MLX arrays, on the caller's thread (engine_api.Engine)."""
         return kv_convert.adopt_layer(layer, self._engine_stream)
-
-    def kv_buffers(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Receive memory inside MLX, for the caller's thread (engine_api.Engine)."""
-        if self._carver is None:
-            self._carver = SlabCarver(mx.new_stream(mx.cpu))
-        return kv_convert.kv_buffers(shape, dtype, count, self._carver)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(Cancel(request_id))

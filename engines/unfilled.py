@@ -40,19 +40,22 @@ logger = logging.getLogger(__name__)
 # threads that waits for the GIL (1-3 ms under load, in the body sink): one per 64 MiB received.
 SLAB_BYTES = 64 * 1024 * 1024
 _ALIGN_BYTES = 4096  # views start on page boundaries
+# Arrays this large get an allocation each (decode then writes into them in place); one
+# mx.load each (~0.15 ms) is small beside the bytes that fill them.
+OWN_ALLOCATION_BYTES = 4 * 1024 * 1024
 
 
 class _HeaderOnly(io.RawIOBase):
     """A ``.npy`` stream whose data bytes are never written: reads past the header are no-ops."""
 
-    def __init__(self, elements: int, dtype: np.dtype):
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
         header = io.BytesIO()
         descr = np.lib.format.dtype_to_descr(dtype)
         np.lib.format.write_array_header_1_0(
-            header, {"descr": descr, "fortran_order": False, "shape": (elements,)}
+            header, {"descr": descr, "fortran_order": False, "shape": shape}
         )
         self._header = header.getvalue()
-        self._size = len(self._header) + elements * dtype.itemsize
+        self._size = len(self._header) + math.prod(shape) * dtype.itemsize
         self._at = 0
 
     def readable(self) -> bool:
@@ -80,18 +83,40 @@ class _HeaderOnly(io.RawIOBase):
 
 
 def unfilled_vector(elements: int, dtype: np.dtype, storage: mx.Dtype,
-                    stream: mx.Stream) -> mx.array:
+                   stream: mx.Stream) -> mx.array:
     """An evaluated 1-D MLX array of ``storage`` (numpy ``dtype``'s bytes), contents undefined."""
+    return unfilled_array((elements,), dtype, storage, stream)
+
+
+def unfilled_array(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
+                   stream: mx.Stream) -> mx.array:
+    """An evaluated MLX array of ``shape`` and ``storage``, its own allocation, unfilled."""
     try:
-        array = mx.load(_HeaderOnly(elements, dtype), format="npy", stream=stream)
-        if array.shape == (elements,) and array.dtype == storage:
+        array = mx.load(_HeaderOnly(tuple(shape), dtype), format="npy", stream=stream)
+        if array.shape == tuple(shape) and array.dtype == storage:
             return array
         logger.debug("mx.load gave %s %s; using mx.zeros", array.shape, array.dtype)
     except (ValueError, RuntimeError, TypeError) as exc:  # this MLX reads .npy otherwise
         logger.debug("unfilled allocation unavailable (%s); using mx.zeros", exc)
-    zeros = mx.zeros((elements,), dtype=storage, stream=stream)
+    zeros = mx.zeros(tuple(shape), dtype=storage, stream=stream)
     mx.eval(zeros)
     return zeros
+
+
+def own_buffers(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype, count: int,
+                stream: mx.Stream) -> list[np.ndarray]:
+    """``count`` arrays each in an MLX allocation of its own, as writable numpy views.
+
+    Why not slab views: MLX writes into an array in place (a decode step's new token)
+    only while no other array shares its memory; a slab shared by several tensors makes
+    the first decode step copy each of them.
+    """
+    out = []
+    for _ in range(count):
+        view = np.array(unfilled_array(shape, dtype, storage, stream), copy=False)
+        advise_huge_pages(view)  # before any byte is written: 2 MiB faults, not 4 KiB
+        out.append(view)
+    return out
 
 
 class SlabCarver:
@@ -109,8 +134,11 @@ class SlabCarver:
 
     def buffers(self, shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
                 count: int) -> list[np.ndarray]:
-        """``count`` writable arrays of ``shape``, each its own page-aligned span of a slab."""
+        """``count`` writable arrays of ``shape``, each its own page-aligned span of a slab
+        (from ``OWN_ALLOCATION_BYTES`` each: an allocation each, ``own_buffers``)."""
         elements = math.prod(shape)
+        if elements * dtype.itemsize >= OWN_ALLOCATION_BYTES:
+            return own_buffers(shape, dtype, storage, count, self._stream)
         step = -(-elements * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES // dtype.itemsize
         with self._lock:
             slab, at = self._room(dtype, storage, step * count)
@@ -135,19 +163,47 @@ def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:
     belong to a thread, so ``stream`` must be one of the thread that will
     evaluate the slice (None: the caller's).
     """
+    if not x.flags.c_contiguous:
+        return None
+    return _owner_span(x, x.shape, stream)
+
+
+def mlx_room_view(x: np.ndarray, stream: mx.Stream | None = None
+                  ) -> tuple[mx.array, mx.array] | None:
+    """For ``x`` = ``full[:, :, :T, :]`` of a contiguous ``[1, heads, room, dim]`` view of
+    MLX memory (a receive buffer with room): (the lazy MLX slice ``x`` shows, ``full`` as
+    MLX), no copy; None otherwise. ``stream``: as for ``mlx_view``."""
+    if x.ndim != 4 or x.shape[0] != 1 or x.flags.c_contiguous:
+        return None
+    heads, tokens, dim = x.shape[1:]
+    room, rem = divmod(x.strides[1], dim * x.itemsize)
+    if rem or room <= tokens or x.strides[2:] != (dim * x.itemsize, x.itemsize):
+        return None
+    full = _owner_span(x, (1, heads, room, dim), stream)
+    if full is None:
+        return None
+    with contextlib.nullcontext() if stream is None else mx.stream(stream):
+        return full[:, :, :tokens, :], full
+
+
+def _owner_span(x: np.ndarray, shape: tuple[int, ...], stream: mx.Stream | None
+                ) -> mx.array | None:
+    """The MLX array of ``shape`` (C order) starting where ``x``'s data does, within the MLX
+    array ``x`` is a numpy view of; None where ``x`` is not such a view."""
     memory = x.base
     while isinstance(memory, np.ndarray):  # a view of a view (of a slab)
         memory = memory.base
     owner = memory.obj if isinstance(memory, memoryview) else None
-    if not isinstance(owner, mx.array) or not x.flags.c_contiguous or owner.itemsize != x.itemsize:
+    if not isinstance(owner, mx.array) or owner.itemsize != x.itemsize:
         return None
     if not memory.c_contiguous:  # a strided MLX array's export (a sliced cache): not a slab
         return None
     offset = x.ctypes.data - np.frombuffer(memory, dtype=np.uint8).ctypes.data
     start, rem = divmod(offset, x.itemsize)
-    if rem or start < 0 or start + x.size > owner.size:
+    size = math.prod(shape)
+    if rem or start < 0 or start + size > owner.size:
         return None
-    if owner.shape == x.shape:
+    if owner.shape == tuple(shape):
         return owner
     with contextlib.nullcontext() if stream is None else mx.stream(stream):
-        return owner.reshape(-1)[start : start + x.size].reshape(x.shape)  # basic slicing: a view
+        return owner.reshape(-1)[start : start + size].reshape(shape)  # basic slicing: a view

@@ -47,6 +47,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
 
+from engines.prefix.entries import compact_copy, reading, sharing, snapshot
 from engines.prefix.grid import PrefillGrid
 from mlxcel_plugin.engine_api import EngineConfig, PrefixCacheStats
 
@@ -64,44 +65,6 @@ def cacheable(caches: list[Any]) -> bool:
 # Handed-off caches at least this large are stored as views, not copies (the receive
 # slabs of ``engines/unfilled.py`` are 64 MiB: a view pins at most a slab or two beyond it).
 SHARE_MIN_BYTES = 64 << 20
-
-
-def snapshot(caches: list[Any]) -> list[Any]:
-    """An independent copy of any caches' state, as mlx-lm's prompt cache takes one.
-
-    ``deepcopy`` gives new array objects over the same memory: the model
-    replaces SSM state arrays, and writing into a KV buffer a snapshot
-    shares makes MLX copy that buffer first, so the snapshot never changes.
-    """
-    return copy.deepcopy(caches)
-
-
-def reading(caches: list[Any], n_tokens: int) -> list[KVCache]:
-    """Fresh caches over the first ``n_tokens`` of ``caches``, sharing their memory.
-
-    The views are new array objects: extending one (``update_and_fetch``)
-    allocates a new buffer and copies the prefix into it, so the stored
-    entry is never written.
-    """
-    views = []
-    for cache in caches:
-        view = KVCache()
-        view.state = (cache.keys[..., :n_tokens, :], cache.values[..., :n_tokens, :], n_tokens)
-        views.append(view)
-    return views
-
-
-def compact_copy(caches: list[Any], n_tokens: int) -> list[KVCache]:
-    """New caches holding exactly the first ``n_tokens`` (own, contiguous memory)."""
-    copies = []
-    for cache in caches:
-        keys = mx.contiguous(cache.keys[..., :n_tokens, :])
-        values = mx.contiguous(cache.values[..., :n_tokens, :])
-        copy = KVCache()
-        copy.state = (keys, values, n_tokens)
-        copies.append(copy)
-    mx.eval([(c.keys, c.values) for c in copies])
-    return copies
 
 
 @dataclass
@@ -219,11 +182,11 @@ class PrefixCache:
         """``store_prompt`` for a handed-off cache: read in place where it is large.
 
         Why: the copy ran on the decode node's engine thread between two steps,
-        a pass over every received byte that delayed every running stream. A
-        received ``KVCache`` is full (its buffer ends at its offset), so decoding
-        grows it into a new buffer and never writes the one the entry reads.
-        A cache under ``share_min_bytes`` is still copied: its arrays share the
-        receiver's 64 MiB slabs with other handoffs, which a view would keep alive.
+        a pass over every received byte that delayed every running stream. The
+        entry holds the received arrays themselves (``sharing``); decoding writes
+        only past the prompt. A cache under ``share_min_bytes`` is still copied:
+        its arrays share the receiver's 64 MiB slabs with other handoffs, which
+        the entry would keep alive.
         """
         if not self.snapshots or self.reuse_generated:
             share = sum(c.nbytes for c in caches) >= share_min_bytes
@@ -294,9 +257,9 @@ class PrefixCache:
             trim_prompt_cache(caches, caches[0].offset - len(tokens))
             mx.eval([(c.keys, c.values) for c in caches])  # no lazy graph left on a batch's buffer
             entry = caches
-        elif share and all(c.keys.shape[2] == c.offset for c in caches):
-            entry = reading(caches, len(tokens))
-            mx.eval([(c.keys, c.values) for c in entry])  # slices: views, no copy
+        elif share:
+            entry = sharing(caches, len(tokens))
+            mx.eval([(c.keys, c.values) for c in entry])  # already evaluated: no work
         else:
             entry = compact_copy(caches, len(tokens))
         self._insert(tokens, entry)

@@ -1,18 +1,15 @@
 """Receiver side: KVMessages in (chunks in any order), a CacheState out.
 
-Every check that bounds memory runs before the allocation it guards: the
-begin header is refused unless the whole cache it implies fits ``max_bytes``;
-a layer's buffers are allocated on its first chunk, after its descriptor is
-checked against the begin header.
+Every check that bounds memory runs before the allocation it guards: the begin
+is refused unless the whole cache it implies fits ``max_bytes``; a layer's
+buffers are allocated on its first chunk, once its descriptor is checked.
 
-The I/O layer may ask ``chunk_destination`` where a raw (identity-codec)
-chunk's bytes belong before the body arrives, and write the body there — the
-link decrypts straight into the layer buffer (and may hand over each body's
-crc32, taken as it landed: ``KVMessage.body_crc``); a coded chunk gets a
-buffer and its decode, run on the link's thread as it lands (``landing``). Each tensor's crc32 is
-known as soon as its last row lands — combined from its chunks' landed crcs,
-or read from the buffer — and each whole layer goes to the engine's adopter
-(its own arrays, e.g. MLX) at once, so both overlap the rest of the transfer.
+The I/O layer may ask ``chunk_destination`` where a raw chunk's bytes belong
+and have the link decrypt the body there (handing over its crc32, taken as it
+landed: ``KVMessage.body_crc``); a coded chunk gets a buffer and its decode,
+run on the link's thread as it lands (``landing``). Each tensor's crc32 is
+known once its last row lands, and each whole layer goes to the engine's
+adopter (e.g. MLX arrays) at once: both overlap the rest of the transfer.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from mlxcel_plugin.kv_serde.messages import (
     LayerDescriptor,
 )
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
-from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer, layer_buffers
+from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer, layer_buffers, room_tokens
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
 
@@ -194,9 +191,10 @@ class KVAssembler:
 
     # -- chunks ------------------------------------------------------------
 
-    def chunk_destination(self, raw: Any) -> memoryview | LandedDecode | None:
-        """Where a chunk's body may be written before it is fed: its rows' bytes (a raw
-        body), a ``LandedDecode`` (a coded one, decoded into its rows where it lands), or None.
+    def chunk_destination(self, raw: Any) -> memoryview | list[memoryview] | LandedDecode | None:
+        """Where a chunk's body may be written before it is fed: its rows' bytes (raw: one
+        view, or per-head pieces filled in order where the layer has room), a ``LandedDecode``
+        (coded: decoded into its rows where it lands), or None.
 
         The header gets every check ``feed`` applies and the rows are reserved for
         this chunk, so no other chunk can claim them; the chunk must still be fed
@@ -219,21 +217,21 @@ class KVAssembler:
         if landing is not None:
             self._landing[landing.key] = landing
             return landing
-        return self._rows_view(chunk, layer)
+        views = self._rows_views(chunk, layer)
+        return views[0] if len(views) == 1 else views
 
     def _on_chunk(self, raw: Any, body: Any, body_crc: int | None = None) -> None:
         chunk = ChunkHeader.from_dict(raw)
         layer = self._checked_chunk(chunk, len(body))
         if len(body) != chunk.nbytes:
-            raise TruncatedLayer(
-                f"layer {chunk.layer} {chunk.tensor} chunk body {len(body)} of {chunk.nbytes} bytes"
-            )
+            raise TruncatedLayer(f"layer {chunk.layer} {chunk.tensor} chunk body {len(body)} "
+                                 f"of {chunk.nbytes} bytes")
         if layer.reserved.get((chunk.tensor, chunk.row)) == chunk.rows:
             del layer.reserved[(chunk.tensor, chunk.row)]
         else:
             self._claim(chunk, layer)
         landing = self._landing.pop((chunk.layer, chunk.tensor, chunk.row), None)
-        in_place = occupies(body, self._rows_view(chunk, layer))
+        in_place = occupies(body, self._rows_views(chunk, layer))
         if landing is not None and landing.done and occupies(body, landing.body):
             if landing.error is not None:  # decoded on the link's thread, and failed there
                 raise landing.error
@@ -274,8 +272,8 @@ class KVAssembler:
             raise UnexpectedMessage(f"layer {chunk.layer} {chunk.tensor} rows overlap a chunk")
         claimed[:] = True
 
-    def _rows_view(self, chunk: ChunkHeader, layer: ReceivedLayer) -> memoryview:
-        return layer.rows_view(chunk.tensor, chunk.row, chunk.rows)
+    def _rows_views(self, chunk: ChunkHeader, layer: ReceivedLayer) -> list[memoryview]:
+        return layer.rows_views(chunk.tensor, chunk.row, chunk.rows)
 
     def _tensor_complete(self, index: int, layer: ReceivedLayer, tensor: str) -> None:
         """Check a whole tensor against end (when known); adopt the layer once both are whole."""
@@ -330,7 +328,13 @@ class KVAssembler:
         size = spec.nbytes(descriptor.tokens)
         if self.allocated_bytes + size > self.limits.max_bytes:
             raise OversizeDeclared(f"layer {index} would exceed the byte budget")
-        buffers = layer_buffers(self.memory, spec, descriptor.tokens)
+        room = room_tokens(self.memory.room_step, self._begun(), fp.cache_classes[index],
+                           descriptor)
+        if room and self.allocated_bytes + spec.nbytes(room) <= self.limits.max_bytes:
+            size = spec.nbytes(room)
+        else:
+            room = 0
+        buffers = layer_buffers(self.memory, spec, descriptor.tokens, room)
         rows = {a.name: a.rows(descriptor.tokens) for a in spec.arrays}
         layer = ReceivedLayer(
             descriptor=descriptor,

@@ -1,7 +1,9 @@
 """One chunk's body into its layer's rows: decoded by the handoff's codec, or already there.
 
 A raw (identity-codec) body that the link wrote straight into the layer buffer
-(``KVAssembler.chunk_destination``) occupies its rows already: nothing to copy.
+(``KVAssembler.chunk_destination``) occupies its rows already: nothing to copy. A
+buffer with room after each head's tokens (``received_layer.layer_buffers``) takes
+a chunk's rows as per-head pieces.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import CorruptChunk, KVCodec
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.kv_serde.messages import ChunkHeader
+from mlxcel_plugin.kv_serde.received_layer import row_segments
+from mlxcel_plugin.link.protocol.body_parts import BodyParts
 
 
 def decode_chunk_into(
@@ -25,13 +29,26 @@ def decode_chunk_into(
     codec's own failure, or an output of the wrong shape or dtype, raises
     ``CorruptChunk``: it fails this handoff only.
     """
+    pieces = row_segments(tensor, chunk.row, chunk.rows)
+    if len(pieces) == 1:  # rows of the [kv_heads * tokens, head_dim] view: one byte range
+        _decode_rows(codec, chunk, body, pieces[0], spec)
+        return
+    rows = np.empty((chunk.rows, spec.width), dtype=tensor.dtype)  # a buffer with room: per head
+    _decode_rows(codec, chunk, body, rows, spec)
+    at = 0
+    for piece in pieces:
+        piece[...] = rows[at : at + len(piece)]
+        at += len(piece)
+
+
+def _decode_rows(codec: KVCodec, chunk: ChunkHeader, body: Any, rows: np.ndarray,
+                 spec: ArraySpec) -> None:
     shape = (chunk.rows, spec.width)
-    # Rows of the [kv_heads * tokens, head_dim] view are a contiguous byte range.
-    rows = tensor.reshape(-1, spec.width)[chunk.row : chunk.row + chunk.rows]
     if not spec.coded:
         if len(body) != chunk.rows * spec.row_bytes:
             raise CorruptChunk(f"raw chunk of {len(body)} bytes for {chunk.rows} rows")
-        rows[...] = np.frombuffer(body, dtype=spec.storage).reshape(shape)
+        data = bytes(body) if isinstance(body, BodyParts) else body
+        rows[...] = np.frombuffer(data, dtype=spec.storage).reshape(shape)
         return
     into = getattr(codec, "decode_into", None)
     try:
@@ -45,13 +62,25 @@ def decode_chunk_into(
         raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
     if not isinstance(decoded, np.ndarray) or decoded.shape != shape:
         raise CorruptChunk(f"codec {codec.name} returned the wrong shape")
-    if decoded.dtype != tensor.dtype:
-        raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {tensor.dtype}")
+    if decoded.dtype != rows.dtype:
+        raise CorruptChunk(f"codec {codec.name} returned {decoded.dtype}, not {rows.dtype}")
     rows[...] = decoded
 
 
-def occupies(body: Any, dest: memoryview) -> bool:
-    """True when ``body`` already is ``dest``'s bytes (written in place): nothing to copy."""
+def occupies(body: Any, dest: memoryview | list[memoryview]) -> bool:
+    """True when ``body`` already is ``dest``'s bytes (written in place): nothing to copy.
+
+    ``dest`` may be pieces (a buffer with room, per head); a body the link scattered over
+    them is a ``BodyParts`` of the same pieces.
+    """
+    dests = dest if isinstance(dest, list) else [dest]
+    parts = body.views if isinstance(body, BodyParts) else (body,)
+    if len(parts) != len(dests):
+        return False
+    return all(_same_bytes(part, view) for part, view in zip(parts, dests, strict=True))
+
+
+def _same_bytes(body: Any, dest: memoryview) -> bool:
     if len(body) != len(dest) or not len(dest):
         return False
     body_at = np.frombuffer(body, dtype=np.uint8).ctypes.data

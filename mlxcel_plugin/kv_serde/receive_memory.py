@@ -23,6 +23,13 @@ class ReceiveMemory:
     pool: BufferPool | None = None
     make_buffers: KVBufferMaker | None = None
 
+    @property
+    def room_step(self) -> int:
+        """Positions a plain K/V buffer is rounded up to beyond what a handoff fills, where the
+        engine's buffers become its decode cache as they are (``kv_room_step`` on its
+        ``kv_buffers``: mlx-lm's ``KVCache.step``); 0: no room."""
+        return int(getattr(self.make_buffers, "kv_room_step", 0) or 0)
+
     def take(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         """``count`` writable C-contiguous arrays of ``shape`` and ``dtype``, contents undefined."""
         if self.make_buffers is not None:

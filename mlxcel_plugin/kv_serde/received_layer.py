@@ -17,6 +17,7 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
+from mlxcel_plugin.kv_serde.header import HandoffHeader
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec
 from mlxcel_plugin.kv_serde.messages import LayerDescriptor
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
@@ -50,11 +51,11 @@ class ReceivedLayer:
     def rows(self, tensor: str) -> int:
         return int(self.claimed[tensor].size)
 
-    def rows_view(self, tensor: str, row: int, rows: int) -> memoryview:
-        """The bytes of rows ``[row, row + rows)`` of ``tensor`` viewed as [rows, shape[-1]]."""
-        array = self.tensors[tensor]
-        flat = array.reshape(-1, array.shape[-1])
-        return memoryview(flat[row : row + rows]).cast("B")
+    def rows_views(self, tensor: str, row: int, rows: int) -> list[memoryview]:
+        """The bytes of rows ``[row, row + rows)`` of ``tensor`` (rows of ``[-1, shape[-1]]``):
+        one view, or one per head where the buffer has room after each head's tokens."""
+        return [memoryview(part).cast("B") for part in row_segments(self.tensors[tensor],
+                                                                     row, rows)]
 
     def tensor_filled(self, tensor: str, row: int, rows: int, landed_crc: int | None = None,
                       body: Any = b"") -> bool:
@@ -108,11 +109,57 @@ class ReceivedLayer:
         self.tensors = {}
 
 
-def layer_buffers(memory: ReceiveMemory, spec: LayerSpec, tokens: int) -> list[np.ndarray]:
-    """One receive buffer per array of the layer, in spec order (K and V taken together)."""
+def row_segments(tensor: np.ndarray, row: int, rows: int) -> list[np.ndarray]:
+    """Rows ``[row, row + rows)`` of ``tensor`` viewed as ``[-1, shape[-1]]``, as contiguous
+    pieces: one for a contiguous buffer; per head for ``[1, heads, tokens, width]`` cut from
+    a buffer with room (``layer_buffers``), where row ``h * tokens + t`` is head h, token t."""
+    if tensor.flags.c_contiguous:
+        return [tensor.reshape(-1, tensor.shape[-1])[row : row + rows]]
+    tokens, pieces, end = tensor.shape[2], [], row + rows
+    while row < end:
+        head, token = divmod(row, tokens)
+        n = min(end - row, tokens - token)
+        pieces.append(tensor[0, head, token : token + n])
+        row += n
+    return pieces
+
+
+def layer_buffers(memory: ReceiveMemory, spec: LayerSpec, tokens: int,
+                  room_tokens: int = 0) -> list[np.ndarray]:
+    """One receive buffer per array of the layer, in spec order (K and V taken together).
+
+    ``room_tokens`` > ``tokens`` (plain K/V only): each buffer is allocated for that many
+    positions and the layer's tensors are its first ``tokens`` of each head, so the
+    engine's first decode steps write into the buffer the handoff landed in.
+    """
+    if room_tokens > tokens and _has_room(spec):
+        full = memory.take(spec.arrays[0].shape_for(room_tokens), spec.arrays[0].storage,
+                           len(spec.arrays))
+        return [buffer[:, :, :tokens, :] for buffer in full]
     shapes = [a.shape_for(tokens) for a in spec.arrays]
     if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
         return memory.take(shapes[0], spec.arrays[0].storage, len(shapes))
     # MLA, SSM and quantized layers: arrays of different shapes or dtypes.
     pairs = zip(spec.arrays, shapes, strict=True)
     return [memory.take(shape, a.storage, 1)[0] for a, shape in pairs]
+
+
+def room_tokens(step: int, header: HandoffHeader, kind: str, descriptor: LayerDescriptor) -> int:
+    """Positions to allocate a plain KVCache layer for: its tokens rounded up past the next
+    ``step`` (``ReceiveMemory.room_step``), so decode writes into what was received; 0: none.
+
+    Only a full handoff without checksums (v4): its chunks land in per-head pieces, which a
+    crc32 over each tensor would have to read back.
+    """
+    if (not step or header.checksummed or header.prefix_tokens or kind != "KVCache"
+            or descriptor.tokens != descriptor.offset):
+        return 0
+    return (descriptor.tokens // step + 1) * step
+
+
+def _has_room(spec: LayerSpec) -> bool:
+    """K and V of one shape and dtype, growing along axis 2 of four."""
+    arrays = spec.arrays
+    return (tuple(a.name for a in arrays) == ("k", "v") and all(a.grow_axis == 2 for a in arrays)
+            and len({(a.shape, a.storage) for a in arrays}) == 1 and len(arrays[0].shape) == 4
+            and arrays[0].shape[0] == 1)

@@ -109,13 +109,16 @@ def declared_sizes(chunks: list[Any]) -> list[int] | None:
     return None
 
 
+Place = memoryview | list[memoryview] | LandedDecode | None
+
+
 def chunk_destinations(
-    place: Callable[[Any], memoryview | LandedDecode | None], header: dict[str, Any],
-    n_bytes: int, checksums: bool = True,
+    place: Callable[[Any], Place], header: dict[str, Any], n_bytes: int, checksums: bool = True,
 ) -> memoryview | BodyParts | None:
     """A body sink's answer for a KV_CHUNK frame: ``place(chunk header)`` for each chunk.
 
-    A raw chunk lands in its rows; a coded one in its ``LandedDecode``'s buffer,
+    A raw chunk lands in its rows (in per-head pieces where its layer's buffer has room:
+    ``groups`` says how many parts each chunk took); a coded one in its ``LandedDecode``'s buffer,
     decoded by the link's bulk thread as soon as it is in. Chunks without a
     place get fresh buffers of their own; None when no chunk has a place or the
     header does not describe the body (the frame's feed then refuses it). The
@@ -132,16 +135,23 @@ def chunk_destinations(
     places = [place(chunk) for chunk in chunks]
     if all(p is None for p in places):
         return None
-    views = [_view_of(p, size) for p, size in zip(places, sizes, strict=True)]
-    decodes = {i: p for i, p in enumerate(places) if isinstance(p, LandedDecode)}
+    pieces = [_views_of(p, size) for p, size in zip(places, sizes, strict=True)]
+    views = [view for chunk in pieces for view in chunk]
+    groups = [len(chunk) for chunk in pieces]
+    starts = [sum(groups[:i]) for i in range(len(groups))]  # a chunk's first part
+    decodes = {starts[i]: p for i, p in enumerate(places) if isinstance(p, LandedDecode)}
     landed = (lambda index: decodes[index]() if index in decodes else None) if decodes else None
     # The bulk channel takes each chunk's crc32 as it lands, so no pass re-reads the bytes.
-    return BodyParts(views, checksums=checksums, landed=landed)
+    return BodyParts(views, checksums=checksums, landed=landed,
+                     groups=groups if len(views) > len(pieces) else None)
 
 
-def _view_of(place: memoryview | LandedDecode | None, size: int) -> memoryview:
-    view = place.body if isinstance(place, LandedDecode) else place
-    return view if view is not None and len(view) == size else memoryview(bytearray(size))
+def _views_of(place: Place, size: int) -> list[memoryview]:
+    views = [place.body] if isinstance(place, LandedDecode) else place
+    views = [views] if isinstance(views, memoryview) else views
+    if views is None or sum(len(v) for v in views) != size:
+        return [memoryview(bytearray(size))]
+    return views
 
 
 def frame_to_messages(frame: Frame) -> list[KVMessage]:
@@ -171,6 +181,8 @@ def _landed_crcs(body: Body, bodies: list[Body]) -> list[int | None]:
 
 
 def _one_body(body: Body) -> Body:
+    if isinstance(body, BodyParts) and body.groups is not None and len(body.groups) == 1:
+        return _grouped(body)[0]  # one chunk in per-head pieces: in place as it is
     if isinstance(body, BodyParts):
         return body.views[0] if len(body.views) == 1 else bytes(body)
     return body
@@ -179,6 +191,10 @@ def _one_body(body: Body) -> Body:
 def _split_body(body: Body, sizes: list[int] | None) -> list[Body]:
     if sizes is None or sum(sizes) != len(body):
         raise MalformedHandoff("KV_CHUNK chunk sizes do not add up to the frame body")
+    if isinstance(body, BodyParts) and body.groups is not None:
+        grouped = _grouped(body)
+        if [len(chunk) for chunk in grouped] == sizes:
+            return grouped  # scattered by the body sink, some chunks over per-head pieces
     if isinstance(body, BodyParts) and [len(v) for v in body.views] == sizes:
         return list(body.views)  # scattered by the body sink, one buffer per chunk
     view = memoryview(bytes(body) if isinstance(body, BodyParts) else body)
@@ -186,6 +202,16 @@ def _split_body(body: Body, sizes: list[int] | None) -> list[Body]:
     for size in sizes:
         out.append(view[at : at + size])
         at += size
+    return out
+
+
+def _grouped(body: BodyParts) -> list[Body]:
+    """Each chunk's body from the parts the sink gave it: one view, or the pieces as parts."""
+    out, at = [], 0
+    for count in body.groups or ():
+        views = body.views[at : at + count]
+        out.append(views[0] if count == 1 else BodyParts(views))
+        at += count
     return out
 
 

@@ -21,18 +21,24 @@ class BodyParts:
     every byte of part ``index`` is in and authenticated: a receiver decodes a
     compressed or quantized part there, off the event loop, while later records
     still arrive. It must not raise.
+
+    ``groups``, where given, says how many consecutive parts make each item the frame
+    carries (a KV chunk landing in per-head pieces is several parts): the receiver's own
+    bookkeeping, never sent.
     """
 
-    __slots__ = ("views", "nbytes", "checksums", "crcs", "landed")
+    __slots__ = ("views", "nbytes", "checksums", "crcs", "landed", "groups")
 
     def __init__(self, buffers: Sequence[bytes | bytearray | memoryview], checksums: bool = False,
-                 landed: Callable[[int], None] | None = None):
+                 landed: Callable[[int], None] | None = None,
+                 groups: Sequence[int] | None = None):
         views = [memoryview(b) for b in buffers]
         self.views = tuple(v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views)
         self.nbytes = sum(v.nbytes for v in self.views)
         self.checksums = checksums
         self.crcs: list[int] | None = None  # set by the bulk channel once every part is in
         self.landed = landed
+        self.groups = tuple(groups) if groups is not None else None
 
     def __len__(self) -> int:
         return self.nbytes

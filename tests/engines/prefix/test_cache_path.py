@@ -117,14 +117,34 @@ def test_a_received_cache_is_stored_as_views_and_decoding_leaves_the_entry_alone
     assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
 
 
-@pytest.mark.parametrize("case", ["room to grow in place", "small"])
-def test_a_received_cache_with_room_to_grow_in_place_or_small_is_copied(model, case):
+def test_a_received_cache_with_room_is_shared_and_decoding_writes_it_in_place(model):
+    """A cache received with room (engines/kv_room.py) goes on decoding into its own
+    buffers: the entry holds the same arrays, not slices, which would make MLX copy them."""
     prompt = tokens(200, seed=7)
-    caches = prefilled(model, prompt)  # its buffers have room: decoding would write them
-    if case == "small":  # full, but below the bound: its slab is shared with other handoffs
-        caches = received(caches)
+    caches = prefilled(model, prompt)  # its buffers have room past the prompt
+    assert all(c.keys.shape[2] > c.offset for c in caches)
     cache = PrefixCache(1 << 30, CHUNK)
-    cache.store_received(prompt, caches, share_min_bytes=0 if case != "small" else 1 << 30)
+    cache.store_received(prompt, caches, share_min_bytes=0)
+    entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
+    assert all(e.keys is c.keys and e.values is c.values for e, c in zip(entry, caches,
+                                                                         strict=True))
+    before = snapshot(entry)
+    where = [np.array(c.keys, copy=False).ctypes.data for c in caches]
+    for held in caches:  # a decode step writes position 200 of every layer
+        step = mx.ones((1, held.keys.shape[1], 1, held.keys.shape[3]), dtype=held.keys.dtype)
+        held.update_and_fetch(step, step)
+    mx.eval([c.state for c in caches])
+    assert [np.array(c.keys, copy=False).ctypes.data for c in caches] == where  # in place
+    for held, was in zip(snapshot(entry), before, strict=True):
+        assert np.array_equal(held, was)
+    assert cache.lookup(prompt + (5, 6)).reused_tokens == 192
+
+
+def test_a_small_received_cache_is_copied(model):
+    prompt = tokens(200, seed=7)
+    caches = received(prefilled(model, prompt))  # its slab is shared with other handoffs
+    cache = PrefixCache(1 << 30, CHUNK)
+    cache.store_received(prompt, caches, share_min_bytes=1 << 30)
     entry = cache._lru._trie.get("model", list(prompt[:192])).prompt_cache
     assert not np.shares_memory(np.array(entry[0].keys, copy=False),
                                 np.array(caches[0].keys, copy=False))

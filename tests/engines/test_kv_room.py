@@ -1,0 +1,98 @@
+"""A v4 handoff received into the MLX engine's buffers with room (engines/kv_room.py).
+
+The body sink hands the link per-head pieces of each layer's buffer (``kv_wire``), the
+engine adopts the layers without a copy, its rebuilt ``KVCache`` holds the received
+buffers with room past the prompt, and a decode step writes its token into them in
+place: the bytes the decode node holds are the sender's, compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import mlx.core as mx
+import msgpack
+import numpy as np
+import pytest
+
+from engines import kv_convert, kv_room
+from mlxcel_plugin.builtin_plugin import builtin_codecs
+from mlxcel_plugin.kv_serde import KVAssembler, ReceiveMemory
+from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_HELD, CHECKSUM_OF_NONE
+from mlxcel_plugin.kv_serde.state import SerializableCacheState
+from mlxcel_plugin.link.protocol.body_parts import BodyParts
+from mlxcel_plugin.link.protocol.frames import Frame, FrameType
+from mlxcel_plugin.nodes.kv_wire import chunk_destinations, frame_to_messages, frames_for
+from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
+
+# 8 heads x 2304 positions x 128 x 2 bytes = 4.5 MiB a tensor: an MLX allocation each.
+FP = make_fingerprint(num_layers=2, kv_heads=8, head_dim=128, dtype="float16")
+TOKENS = 2100
+
+
+def land(assembler: KVAssembler, frame: Frame) -> Frame:
+    """What the link does with a frame: the body decrypted where the sink says, in order."""
+    if frame.type is not FrameType.KV_CHUNK:
+        return frame
+    body = bytes(frame.body) if isinstance(frame.body, BodyParts) else bytes(frame.body)
+    into = chunk_destinations(assembler.chunk_destination, frame.header, len(body),
+                              checksums=assembler.header.checksummed)
+    if into is None:
+        return dataclasses.replace(frame, body=body)
+    at = 0
+    for view in into.views:
+        view[:] = body[at : at + len(view)]
+        at += len(view)
+    return dataclasses.replace(frame, body=into)
+
+
+def receive(checksum_of: str, seed: int):
+    cache = make_cache(FP, TOKENS, seed=seed)
+    header = dataclasses.replace(make_header(FP, TOKENS), checksum_of=checksum_of)
+    messages = SerializableCacheState(header, cache).to_messages(builtin_codecs()["none"],
+                                                                 1 << 20)
+    begin, *chunks, end = messages
+    random.Random(seed).shuffle(chunks)
+    assembler = KVAssembler(FP, builtin_codecs(), adopt=kv_convert.adopt_layer,
+                            memory=ReceiveMemory(make_buffers=kv_convert.ReceiveBuffers()))
+    state = None
+    for _, frame in frames_for([begin, *chunks, end]):
+        header = msgpack.unpackb(msgpack.packb(frame.header, use_bin_type=True), raw=False)
+        for message in frame_to_messages(land(assembler, dataclasses.replace(frame,
+                                                                             header=header))):
+            state = assembler.feed(message) or state
+    assert state is not None
+    return cache, state.cache
+
+
+def test_a_v4_handoff_lands_in_buffers_with_room_and_decode_writes_them_in_place():
+    sent, received = receive(CHECKSUM_OF_NONE, seed=3)
+    # A CacheLayer still shows T positions.
+    assert [g.keys.shape for g in received.layers] == [w.keys.shape for w in sent.layers]
+    caches = kv_convert.from_cache_state(received)
+    assert kv_room.held() == 0  # every buffer was taken by its cache
+    for cache, want in zip(caches, sent.layers, strict=True):
+        assert cache.offset == TOKENS and cache.keys.shape[2] == 2304  # room: 2100 -> 2304
+        assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]), want.keys)
+        assert np.array_equal(np.array(cache.values[..., :TOKENS, :]), want.values)
+    del received  # as the engine lets go of the handoff: nothing but the caches holds them
+    where = [np.array(c.keys, copy=False).ctypes.data for c in caches]
+    token = mx.ones((1, FP.kv_heads, 1, FP.head_dim), dtype=mx.float16)
+    for cache in caches:
+        cache.update_and_fetch(token, token)
+    mx.eval([c.state for c in caches])
+    assert [np.array(c.keys, copy=False).ctypes.data for c in caches] == where  # in place
+    for cache, want in zip(caches, sent.layers, strict=True):
+        assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]), want.keys)
+        assert np.array_equal(np.array(cache.keys[..., TOKENS, :]), np.ones((1, 8, 128)))
+
+
+@pytest.mark.parametrize("checksum_of", [CHECKSUM_OF_HELD])
+def test_a_checksummed_handoff_is_received_without_room_as_before(checksum_of):
+    sent, received = receive(checksum_of, seed=4)
+    caches = kv_convert.from_cache_state(received)
+    for cache, want in zip(caches, sent.layers, strict=True):
+        assert cache.keys.shape[2] == TOKENS == cache.offset
+        assert np.array_equal(np.array(cache.keys), want.keys)
+        assert np.array_equal(np.array(cache.values), want.values)
