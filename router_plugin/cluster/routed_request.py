@@ -70,6 +70,8 @@ from router_plugin.cluster.stream_bridge import (
 logger = logging.getLogger(__name__)
 
 AT_CAPACITY_CODES = frozenset({AtCapacityError.code, NoHealthyNodeError.code})
+# Another node may take it: this one is full, or no longer holds the request's LoRA adapter.
+REPLACE_CODES = AT_CAPACITY_CODES | {"adapter_not_loaded"}
 # A node's refusal that is the client's fault: the same 400 a single node would give
 # (or 501: a model that cannot run disaggregated; no other node would do better).
 CLIENT_ERRORS: dict[str, type[MlxcelError]] = {
@@ -337,7 +339,7 @@ class RoutedRequest:
     def _worth_rerouting(self, event: PeerEvent) -> bool:
         if self.bridge.attempt + 1 >= self.context.max_placements:
             return False
-        return event.lost or event.code in AT_CAPACITY_CODES
+        return event.lost or event.code in REPLACE_CODES
 
     async def _reroute(self, failed_node_id: str) -> None:
         logger.info("re-routing %s: %s failed before its first token",
