@@ -69,6 +69,7 @@ from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_reque
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import DecodeScheduler
 from mlxcel_plugin.speculative.metrics import register_speculative
+from mlxcel_plugin.speculative.telemetry import spec_telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ class DecodeNode:
         stats, engine = self.scheduler.stats(), self.engine.stats()
         return Telemetry(self.node_id, "decode", stats.queue_depth, len(self.live),
                          stats.free_kv_fraction, engine.tokens_per_s,
-                         *prefix_telemetry(engine.prefix_cache), adapters=self.adapters.held())
+                         *prefix_telemetry(engine.prefix_cache), adapters=self.adapters.held(),
+                         speculative=spec_telemetry(engine.speculative))
 
     def health(self) -> dict[str, Any]:
         stats = self.scheduler.stats()

@@ -43,6 +43,7 @@ class NodeTelemetry:
     prefix_evictions: int = 0
     prefix_capacity_bytes: int = 0
     adapters: Mapping[str, str] = field(default_factory=dict)  # LoRA name -> digest held
+    speculative: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # (proposed, accepted)
 
 
 @dataclass
@@ -69,6 +70,8 @@ def _telemetry_stats(telemetry: NodeTelemetry, age_s: float) -> dict[str, Any]:
     stats = {**asdict(telemetry), "age_s": age_s}
     if not telemetry.adapters:  # a node without adapters shows what it always did
         del stats["adapters"]
+    if not telemetry.speculative:  # the same for one that never speculated
+        del stats["speculative"]
     return stats
 
 

@@ -1,7 +1,8 @@
 """What ``GET /router/stats`` shows: per-node counts and health, and request totals.
 
 Node entries come from the ``NodePool`` (stable ids like ``prefill-0``;
-addresses redacted unless ``MLXCEL_ROUTER_STATS_VERBOSE=1``). The counters
+addresses redacted unless ``MLXCEL_ROUTER_STATS_VERBOSE=1``); a node that
+speculates shows its totals per method with the acceptance rate. The counters
 here are the router's own; the cluster backend bumps them, the route reads a
 snapshot. The same numbers go to ``/metrics`` through ``RouterCollector``.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from mlxcel_plugin.speculative.telemetry import spec_view
 from router_plugin.cluster.node_pool import NodeHealth, NodePool, stats_verbose_from_env
 
 MIGRATION_SAMPLES = 1024  # resume times kept for /router/stats' quantiles
@@ -64,7 +66,7 @@ def snapshot(stats: RouterStats, pool: NodePool, *, queue_depth: int,
              balancers: Mapping[str, str], now: float, verbose: bool) -> dict[str, Any]:
     """The JSON body of ``GET /router/stats``."""
     return {
-        "nodes": pool.stats(now, verbose=verbose),
+        "nodes": with_speculation(pool.stats(now, verbose=verbose)),
         "balancers": dict(balancers),
         "metrics": {
             **asdict(stats.requests),
@@ -76,6 +78,16 @@ def snapshot(stats: RouterStats, pool: NodePool, *, queue_depth: int,
             "pair_refusals": dict(pool.pairing.reason_counts),
         },
     }
+
+
+def with_speculation(nodes: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Each node's speculative totals (from its telemetry) with their acceptance rate."""
+    for entries in nodes.values():
+        for entry in entries:
+            telemetry = entry.get("telemetry") or {}
+            if "speculative" in telemetry:
+                telemetry["speculative"] = spec_view(telemetry["speculative"])
+    return nodes
 
 
 def migration_resume_quantiles(samples: Collection[float]) -> dict[str, float | None]:

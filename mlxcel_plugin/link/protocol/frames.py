@@ -36,6 +36,7 @@ from mlxcel_plugin.link.protocol.frame_codec import (
     split_frame,
     unpack_token_ids,
 )
+from mlxcel_plugin.link.protocol.spec_counts import spec_counts
 from mlxcel_plugin.logprobs import (
     LogprobsMalformed,
     PromptLogprobs,
@@ -261,6 +262,8 @@ class Telemetry:
     prefix_evictions: int = 0
     prefix_capacity_bytes: int = 0  # 0: the node keeps no prefix cache
     adapters: Mapping[str, str] = field(default_factory=dict)  # LoRA name -> digest, held now
+    # Speculative decoding totals: method -> (proposed, accepted) (link/protocol/spec_counts).
+    speculative: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     TYPE: ClassVar[FrameType] = FrameType.TELEMETRY
     _PREFIX_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -279,6 +282,8 @@ class Telemetry:
         header.update({k: getattr(self, k) for k in self._PREFIX_FIELDS if getattr(self, k)})
         if self.adapters:  # the same: absent means none
             header["adapters"] = dict(self.adapters)
+        if self.speculative:
+            header["speculative"] = {m: list(pair) for m, pair in self.speculative.items()}
         return Frame(self.TYPE, header)
 
     @classmethod
@@ -294,6 +299,7 @@ class Telemetry:
             tokens_per_s=float(get_field(h, "tokens_per_s", (int, float), 0.0)),
             **{k: get_field(h, k, int, 0) for k in cls._PREFIX_FIELDS},
             adapters=adapter_map(h),
+            speculative=spec_counts(h),
         )
 
 
