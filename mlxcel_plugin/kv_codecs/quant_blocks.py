@@ -1,9 +1,12 @@
 """Splitting one group-quantized chunk into row blocks that encode one at a time.
 
 Why: the key encoder makes several passes over a chunk's rows (rotation, group ranges,
-codes, the rotated-error check). A 2k-token SmolLM2 layer tensor is 1.5 MiB of float32,
-beyond a core's L2, so every pass went to memory; blocks of ~512 KiB stay in cache and
-encoded 2.5-3x faster (measured, one x86 core, keys and values alike).
+codes, the rotated-error check). A whole 8 MiB chunk is 16 MiB of float32, beyond a
+core's caches, so every pass went to memory; blocks stay in cache. Each block also costs
+fixed work (its groups, scales and minimums: tens of NumPy calls), so blocks should not
+be small: on 8B-shaped bf16 KV (head_dim 128, one x86 core with 1 MiB of L2 and a 32 MiB
+L3) 2 MiB blocks encoded keys 1.2-1.5x and decoded 1.1-1.2x faster than 512 KiB blocks,
+and 4 MiB gained nothing more.
 
 A block boundary is always a group boundary of the whole chunk (and, for int4, falls
 after an even number of codes), so each block encodes exactly as a chunk of its own
@@ -23,7 +26,7 @@ from mlxcel_plugin.kv_codecs.floats import to_float32
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
 from mlxcel_plugin.kv_codecs.quant_format import ChunkFormat
 
-BLOCK_BYTES = 512 * 1024  # of float32 work values per block
+BLOCK_BYTES = 2 * 1024 * 1024  # of float32 work values per block
 
 
 def block_starts(fmt: ChunkFormat, rows: int, head_dim: int) -> list[int]:

@@ -24,6 +24,12 @@ LAYOUTS = {  # (tensor, tokens per head, token of row 0, rows): whole heads, mid
 }
 
 
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Blocks of 512 KiB: these layouts (up to 1.5 MiB of float32) then span several."""
+    monkeypatch.setattr(quant_blocks, "BLOCK_BYTES", 512 * 1024)
+
+
 def loud_rows(rows: int, dtype: str, seed: int = 0) -> np.ndarray:
     values = np.random.default_rng(seed).standard_normal((rows, HEAD_DIM)).astype("<f4")
     values[:, 3] *= 30.0  # an outlier channel, as real keys have
