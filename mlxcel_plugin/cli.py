@@ -75,11 +75,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """``--model`` and, for a hybrid node serving several, its bounds (docs/models.md)."""
+    """``--model``; a hybrid node serving several: their bounds (docs/models-and-adapters.md)."""
     add = parser.add_argument
     add("--model", action="append",
         help="mlx-lm checkpoint dir (default: embedded SmolLM2-135M-Instruct); hybrid: "
-             "NAME=PATH, repeatable, serves several models (docs/models.md)")
+             "NAME=PATH, repeatable, serves several models (docs/models-and-adapters.md)")
     add("--max-loaded-models", type=int,
         help="hybrid, several models: at most N loaded at once (default 0: memory decides)")
     add("--model-memory-bytes", type=int,

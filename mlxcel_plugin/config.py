@@ -58,8 +58,8 @@ class ServerConfig:
     shard_ranks: int = 1
     shard_hostfile: str | None = None
     shard_rank: int = 0
-    # Several models on a hybrid node (docs/models.md): "NAME=PATH" each, from a repeated
-    # --model or [models.NAME] tables; empty: the one ``model``.
+    # Several models on a hybrid node (docs/models-and-adapters.md): "NAME=PATH" each, from
+    # a repeated --model or [models.NAME] tables; empty: the one ``model``.
     models: tuple[str, ...] = ()
     max_loaded_models: int = 0  # 0: as many as the memory budget allows
     model_memory_bytes: int = 0  # weights of the loaded models together; 0: half the machine's
@@ -354,7 +354,7 @@ def _validate_shards(config: ServerConfig) -> None:
 def _validate_models(config: ServerConfig) -> None:
     if config.models and config.role != "hybrid":
         raise ConfigError(f"--node-role {config.role} serves one model: give --model once "
-                          "(several models: hybrid nodes, docs/models.md)")  # fmt: skip
+                          "(several models: a hybrid node; docs/models-and-adapters.md)")
     if config.models and (config.engine_config.adapters or config.engine_config.enable_lora):
         raise ConfigError("--adapter / --enable-lora serve one model's adapters: not with "
                           "several --model yet")  # fmt: skip

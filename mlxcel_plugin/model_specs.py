@@ -3,7 +3,7 @@
 Core side (no MLX): specs are parsed and checked at start, before any model
 loads; a plain ``--model PATH`` stays one model named as before (the
 directory's name, or ``--served-model-name``). Several models are served by a
-hybrid node (docs/models.md); the weights' size, for the memory bound, is the
+hybrid node (docs/models-and-adapters.md); the weights' size, for the memory bound, is the
 sum of the checkpoint's ``*.safetensors`` files.
 """
 

@@ -6,7 +6,7 @@ the least recently used idle models; when only busy models are in the way the
 request waits, at most ``wait_s``, for one to go idle, then gets a 503
 (``AtCapacityError``, with a retry hint). Loads run in a worker thread, each
 model with its own engine thread, so the other models keep streaming (MLX
-evaluates on per-thread streams; docs/models.md). A load runs as a task of its
+evaluates on per-thread streams; docs/models-and-adapters.md). A load runs as a task of its
 own: a client that gives up waiting does not lose the model it started.
 
 No MLX here: ``load`` is the engine plugin's factory plus ``start``, given by the role.

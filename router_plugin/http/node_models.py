@@ -1,11 +1,12 @@
-"""A hybrid node serving several models (``--model NAME=PATH`` repeated; docs/models.md).
+"""Several models on one hybrid node: ``--model NAME=PATH`` repeated.
 
 Each model gets a whole front of its own (tokenizer, chat template, metrics),
 like a several-model router's pools (``model_dispatch``); requests go to it by
 ``model``. Its backend leases the model's engine from one ``ModelSet``, which
 loads it on first use and evicts the least recently used idle model when a
 bound would break. ``/v1/models`` lists every configured model with
-``loaded``; ``/metrics`` carries each model's loads and evictions.
+``loaded``; ``/metrics`` carries each model's loads and evictions
+(docs/models-and-adapters.md).
 """
 
 from __future__ import annotations

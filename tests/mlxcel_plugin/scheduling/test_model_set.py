@@ -137,3 +137,17 @@ def test_a_failed_load_is_an_engine_error_and_the_next_request_tries_again() -> 
 async def _lease_once(models: ModelSet, name: str) -> FakeEngine:
     async with models.lease(name) as engine:
         return engine
+
+
+def test_load_on_start_loads_what_fits_without_evicting() -> None:
+    async def scenario() -> None:
+        models = model_set(Loader(), max_loaded=1)
+        await models.start(load_all=True)
+        assert models.status() == {"a": True, "b": False}
+        assert models.counts["a"].evictions == 0
+        await models.close()
+        lazy = model_set(Loader(), max_loaded=1)
+        await lazy.start(load_all=False)
+        assert lazy.status() == {"a": False, "b": False}
+
+    run(scenario)
