@@ -488,15 +488,17 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def start_mlx_lm_server(model: str, workdir: Path, timeout_s: float = 180.0) -> NodeProcess:
-    """mlx-lm's own server on the same checkpoint, with OpenBLAS like our engine nodes."""
+def start_mlx_lm_server(model: str, workdir: Path, timeout_s: float = 180.0,
+                        extra_args: Sequence[str] = ()) -> NodeProcess:
+    """mlx-lm's own server on the same checkpoint, with OpenBLAS like our engine nodes
+    (``extra_args``: more of its flags, e.g. ``--draft-model PATH``)."""
     from mlxcel_plugin import openblas
     from mlxcel_plugin.local_cluster import NodeProcess, free_port
 
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model]
-    argv += ["--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING"]
+    argv += ["--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", *extra_args]
     env = openblas.preload_env(os.environ) or dict(os.environ)
     log_path = workdir / f"mlx_lm-{port}.log"
     with open(log_path, "ab") as log:

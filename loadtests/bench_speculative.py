@@ -1,17 +1,20 @@
-"""Prompt-lookup speculation against plain decoding: ``python -m loadtests.bench_speculative``.
+"""Speculative decoding against plain decoding: ``python -m loadtests.bench_speculative``.
 
-For two workloads, on one engine with ``[speculative] method = "ngram"`` and one
-without (the same checkpoint, in this process):
+For three workloads, on engines of the same checkpoint in this process: plain,
+``[speculative] method = "ngram"`` and ``method = "draft"`` (``--draft PATH``; by
+default the model drafts for itself: acceptance near 100%, an upper bound):
 
 * **code edit**: a generated Python file in the prompt, the reply asked to be the
   same file with one rename (the reply repeats long spans of the prompt);
+* **tool call**: an agent turn whose reply repeats a tool call's JSON arguments;
 * **open chat**: short questions (little to look up: the adaptive rule's case).
 
-Figures: per-stream decode tokens/s (first token excluded) at 1 and 4 concurrent
-streams, plain and n-gram; acceptance (accepted / proposed); the **flip rate**
-(how many greedy replies differ from plain greedy decoding at all, and where the
-first difference falls); and the cost of one more verified row (a forward of
-1 + k rows against a one-row step), which ``[speculative] verify_row_cost`` sets.
+Figures: per-stream decode tokens/s (first token excluded) at each concurrency
+(``--streams``), per mode; acceptance (accepted / proposed); the **flip rate** (how
+many greedy replies differ from plain greedy decoding at all, and where the first
+difference falls); the cost of one more verified row (``verify_row_cost``); a
+draft's prefill of a 2k prompt (what a decode node spends instead of receiving the
+draft's K/V). ``--mlx-lm``: ``mlx_lm server --draft-model`` on the same prompts.
 
 Defaults to the embedded SmolLM2-135M (``--quick``: the tiny test model, few
 prompts). Runs with OpenBLAS preloaded as the nodes do; CPU-bound: run it alone.
@@ -30,7 +33,14 @@ from dataclasses import dataclass, field
 from engines.mlx_engine import MlxEngine
 from engines.model_store import ensure_default_model, ensure_tiny_model
 from loadtests.bench_common import add_common_args, bench_result, format_table, table, write_json
-from loadtests.speculative_workloads import chat_prompts, code_edit_prompts, verify_row_cost
+from loadtests.bench_speculative_mlx_lm import mlx_lm_rows
+from loadtests.speculative_workloads import (
+    chat_prompts,
+    code_edit_prompts,
+    draft_prefill_s,
+    tool_call_prompts,
+    verify_row_cost,
+)
 from mlxcel_plugin import openblas
 from mlxcel_plugin.engine_api import (
     EngineConfig,
@@ -83,8 +93,8 @@ def run_concurrently(engine: MlxEngine, prompts: list[tuple[int, ...]], max_toke
     return replies
 
 
-def ngram_counts(engine: MlxEngine) -> tuple[int, int]:
-    counts = engine.stats().speculative.methods.get("ngram")
+def method_counts(engine: MlxEngine, method: str) -> tuple[int, int]:
+    counts = engine.stats().speculative.methods.get(method)
     return (counts.proposed, counts.accepted) if counts else (0, 0)
 
 
@@ -99,53 +109,70 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 @dataclass
 class WorkloadFigures:
     rows: list[list] = field(default_factory=list)
-    flips: list[int | None] = field(default_factory=list)  # first difference per prompt
+    # Per speculative mode, the first difference from plain greedy per prompt.
+    flips: dict[str, list[int | None]] = field(default_factory=dict)
 
 
 def measure(engines: dict[str, MlxEngine], name: str, prompts: list[tuple[int, ...]],
             max_tokens: int, concurrency: list[int], figures: WorkloadFigures) -> None:
-    """Plain and n-gram at each concurrency: tok/s, acceptance; flips from the first one."""
+    """Every mode at each concurrency: tok/s, acceptance; flips from the first one."""
     for streams in concurrency:
         outputs = {}
         for mode, engine in engines.items():
-            before = ngram_counts(engine)
+            before = method_counts(engine, mode)
             replies = run_concurrently(engine, prompts, max_tokens, streams, f"{name}{streams}")
-            proposed, accepted = (n - b for n, b in zip(ngram_counts(engine), before, strict=True))
+            proposed, accepted = (n - b for n, b in zip(method_counts(engine, mode), before,
+                                                        strict=True))
             outputs[mode] = [r.tokens for r in replies]
             rate = f"{accepted / proposed:.0%}" if proposed else "-"
             figures.rows.append([name, streams, mode, round(statistics.median(
-                r.decode_tok_s for r in replies), 1), proposed, rate])
+                r.decode_tok_s for r in replies), 2), proposed, rate])
             print("  ", *figures.rows[-1], flush=True)
         if streams == concurrency[0]:
-            figures.flips = [first_difference(p, s) for p, s in zip(outputs["plain"],
-                                                                   outputs["ngram"], strict=True)]
-            print(f"   {name}: first differences from plain greedy {figures.flips}", flush=True)
+            for mode in [m for m in outputs if m != "plain"]:
+                figures.flips[mode] = [first_difference(p, s) for p, s in zip(
+                    outputs["plain"], outputs[mode], strict=True)]
+                print(f"   {name} {mode}: first differences from plain greedy "
+                      f"{figures.flips[mode]}", flush=True)
 
 
-def load_engines(model: str) -> dict[str, MlxEngine]:
+def load_engines(model: str, draft: str, modes: list[str]) -> dict[str, MlxEngine]:
     no_cache = PrefixCacheConfig(max_bytes=0)  # every request prefills: runs stay comparable
-    engines = {
-        "plain": MlxEngine.from_path(model, EngineConfig(prefix_cache=no_cache)),
-        "ngram": MlxEngine.from_path(model, EngineConfig(
-            prefix_cache=no_cache, speculative=SpeculativeConfig(method="ngram"))),
-    }
+    configs = {"plain": SpeculativeConfig(), "ngram": SpeculativeConfig(method="ngram"),
+               "draft": SpeculativeConfig(method="draft", draft_model=draft)}
+    engines = {mode: MlxEngine.from_path(model, EngineConfig(
+        prefix_cache=no_cache, speculative=configs[mode])) for mode in ["plain", *modes]}
     for engine in engines.values():
         engine.start()
     return engines
 
 
-def report(rows: list[list], flips: dict[str, list[int | None]], cost: dict[int, float]) -> list:
+def flip_rows(flips: dict[str, dict[str, list[int | None]]]) -> list[list]:
+    """Per workload and mode (and all workloads): replies that differ from plain greedy."""
+    rows, totals = [], {}
+    for name, per_mode in flips.items():
+        for mode, found in per_mode.items():
+            flipped = [i for i in found if i is not None]
+            seen, differ = totals.get(mode, (0, 0))
+            totals[mode] = (seen + len(found), differ + len(flipped))
+            rows.append([name, mode, len(found), len(flipped),
+                         f"{len(flipped) / len(found):.0%}",
+                         ", ".join(str(i) for i in sorted(flipped)) or "-"])
+    rows += [["all", mode, seen, differ, f"{differ / seen:.0%}", ""]
+             for mode, (seen, differ) in totals.items()]
+    return rows
+
+
+def report(rows: list[list], flips: dict[str, dict[str, list[int | None]]],
+           cost: dict[int, float], prefill: tuple[float, int]) -> list:
     tables = [table("decode tokens/s per stream (median)",
                     ["workload", "streams", "mode", "tok/s", "proposed", "accepted"], rows)]
-    flip_rows = []
-    for name, found in flips.items():
-        flipped = [i for i in found if i is not None]
-        where = ", ".join(str(i) for i in sorted(flipped)) or "-"
-        flip_rows.append([name, len(found), len(flipped), f"{len(flipped) / len(found):.0%}",
-                          where])
     tables.append(table("greedy flips vs plain (first concurrency)",
-                        ["workload", "prompts", "differ", "rate", "first difference at"],
-                        flip_rows))
+                        ["workload", "mode", "prompts", "differ", "rate", "first difference at"],
+                        flip_rows(flips)))
+    tables.append(table("draft prefill of a 2048-token prompt (decode node)",
+                        ["seconds", "draft K/V MiB"],
+                        [[round(prefill[0], 3), round(prefill[1] / 2**20, 1)]]))
     tables.append(table("verify forward cost (one sequence)", ["rows", "time / one-row step",
                                                                 "per extra row"],
                         [[w, round(c, 3), round((c - 1) / (w - 1), 3) if w > 1 else "-"]
@@ -153,6 +180,34 @@ def report(rows: list[list], flips: dict[str, list[int | None]], cost: dict[int,
     for result_table in tables:
         print(format_table(result_table))
     return tables
+
+
+def parse_args() -> argparse.Namespace:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--draft", help="draft checkpoint (default: the model itself)")
+    parser.add_argument("--modes", default="ngram,draft", help="beside plain, e.g. ngram")
+    parser.add_argument("--code-prompts", type=int, help="default 8 (--quick: 4)")
+    parser.add_argument("--tool-prompts", type=int, help="default 8 (--quick: 4)")
+    parser.add_argument("--chat-prompts", type=int, help="default 16 (--quick: 4)")
+    parser.add_argument("--max-tokens", type=int, help="default 192 (--quick: 48)")
+    parser.add_argument("--streams", default="1,4", help="concurrent streams to run, e.g. 1")
+    parser.add_argument("--mlx-lm", action="store_true",
+                        help="also mlx_lm server --draft-model on the same prompts")
+    args = parser.parse_args()
+    defaults = (4, 4, 4, 48) if args.quick else (8, 8, 16, 192)
+    names = ("code_prompts", "tool_prompts", "chat_prompts", "max_tokens")
+    for name, default in zip(names, defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def workloads(tokenizer_dir: str, args: argparse.Namespace) -> dict[str, list[tuple[int, ...]]]:
+    found = {"code-edit": code_edit_prompts(tokenizer_dir, args.code_prompts),
+             "tool-call": tool_call_prompts(tokenizer_dir, args.tool_prompts),
+             "open-chat": chat_prompts(tokenizer_dir, args.chat_prompts)}
+    return {name: prompts for name, prompts in found.items() if prompts}
 
 
 def main() -> None:
@@ -163,35 +218,25 @@ def main() -> None:
         print(f"re-running with {changed} (as the nodes run)", flush=True)
         os.execve(sys.executable, [sys.executable, "-m", "loadtests.bench_speculative",
                                    *sys.argv[1:]], env)
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("model", nargs="?", default=None)
-    parser.add_argument("--code-prompts", type=int, help="default 8 (--quick: 4)")
-    parser.add_argument("--chat-prompts", type=int, help="default 24 (--quick: 4)")
-    parser.add_argument("--max-tokens", type=int, help="default 192 (--quick: 48)")
-    parser.add_argument("--streams", default="1,4", help="concurrent streams to run, e.g. 1")
-    args = parser.parse_args()
-    defaults = (4, 4, 48) if args.quick else (8, 24, 192)
-    args.code_prompts, args.chat_prompts, args.max_tokens = (
-        given if given is not None else default for given, default in
-        zip((args.code_prompts, args.chat_prompts, args.max_tokens), defaults, strict=True))
+    args = parse_args()
     model = args.model or str(ensure_tiny_model() if args.quick else ensure_default_model())
-    print(f"model {model}", flush=True)
-    engines = load_engines(model)
+    draft, streams = args.draft or model, [int(n) for n in args.streams.split(",")]
+    print(f"model {model}, draft {draft}", flush=True)
+    engines = load_engines(model, draft, [m for m in args.modes.split(",") if m])
     try:
-        tokenizer_dir = engines["plain"].info.tokenizer_dir or model
-        workloads = {"code-edit": code_edit_prompts(tokenizer_dir, args.code_prompts),
-                     "open-chat": chat_prompts(tokenizer_dir, args.chat_prompts)}
-        figures = {name: WorkloadFigures() for name in workloads}
-        for name, prompts in workloads.items():
-            print(f"{name}: {len(prompts)} prompts, {args.max_tokens} tokens each", flush=True)
-            measure(engines, name, prompts, args.max_tokens,
-                    [int(n) for n in args.streams.split(",")], figures[name])
+        prompts = workloads(engines["plain"].info.tokenizer_dir or model, args)
+        figures = {name: WorkloadFigures() for name in prompts}
+        for name, batch in prompts.items():
+            print(f"{name}: {len(batch)} prompts, {args.max_tokens} tokens each", flush=True)
+            measure(engines, name, batch, args.max_tokens, streams, figures[name])
     finally:
         for engine in engines.values():
             engine.close()
-    cost = verify_row_cost(model)
     rows = [row for f in figures.values() for row in f.rows]
-    tables = report(rows, {name: f.flips for name, f in figures.items()}, cost)
+    if args.mlx_lm:
+        rows += mlx_lm_rows(model, draft, prompts, args.max_tokens, streams)
+    tables = report(rows, {name: f.flips for name, f in figures.items()}, verify_row_cost(model),
+                    draft_prefill_s(draft))
     if args.json:
         write_json(args.json, bench_result("speculative", tables))
 

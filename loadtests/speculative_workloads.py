@@ -1,8 +1,10 @@
-"""Prompts and a cost probe for ``bench_speculative``: code edits, open chat, and the time of
-a verify forward of several rows against a one-row decode step."""
+"""Prompts and probes for ``bench_speculative``: code edits, tool-call turns, open chat; the
+time of a verify forward of several rows against a one-row decode step, and of a draft's
+prefill of a long prompt (what a decode node spends instead of receiving the draft's K/V)."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -12,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from transformers import AutoTokenizer
 
 from engines.model_loader import load_mlx_model
+from engines.speculative.draft_batch import prefill_draft
 
 TOPICS = [
     "the moon", "bread baking", "volcanoes", "chess openings", "honey bees", "glaciers",
@@ -56,6 +59,39 @@ def code_edit_prompts(tokenizer_dir: str, count: int) -> list[tuple[int, ...]]:
     return prompts
 
 
+TOOL_SPEC = {"name": "write_file", "description": "Write a file in the workspace.",
+             "parameters": {"type": "object", "properties": {
+                 "path": {"type": "string"}, "content": {"type": "string"}},
+                 "required": ["path", "content"]}}
+
+
+def _tool_turn(seed: int) -> list[dict[str, str]]:
+    """An agent turn: the tool, its last call (a config file), and a request to call it
+    again with one value changed: the reply repeats the call's arguments."""
+    rng = random.Random(seed)
+    config = {f"option_{i}": rng.choice(["on", "off", rng.randint(1, 99)]) for i in range(12)}
+    call = {"name": "write_file", "arguments": {"path": f"conf/service_{seed}.json",
+                                                "content": json.dumps(config, indent=1)}}
+    system = ("You can call this tool by replying with one JSON object "
+              f"{{\"name\": ..., \"arguments\": ...}}:\n{json.dumps(TOOL_SPEC)}")
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"Write the config for service {seed}."},
+            {"role": "assistant", "content": json.dumps(call)},
+            {"role": "user", "content": f"Call write_file again with option_{seed % 12} set "
+             "to \"auto\" and everything else unchanged. Reply with the JSON call only."}]
+
+
+def tool_call_prompts(tokenizer_dir: str, count: int) -> list[tuple[int, ...]]:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    prompts = []
+    for seed in range(count):
+        templated = tokenizer.apply_chat_template(_tool_turn(seed), add_generation_prompt=True,
+                                                  tokenize=False)
+        prompts.append(tuple(int(t) for t in tokenizer.encode(templated,
+                                                              add_special_tokens=False)))
+    return prompts
+
+
 def chat_prompts(tokenizer_dir: str, count: int) -> list[tuple[int, ...]]:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     topics = (TOPICS * (count // len(TOPICS) + 1))[:count]
@@ -81,3 +117,16 @@ def verify_row_cost(model_path: str, context: int = 512, repeats: int = 30) -> d
     mx.eval(model(mx.array([list(range(100, 100 + context))], dtype=mx.uint32), cache=cache))
     one = _forward_s(model, cache, 1, repeats)
     return {w: _forward_s(model, cache, w, repeats) / one for w in (1, 2, 3, 5, 8)}
+
+
+def draft_prefill_s(model_path: str, tokens: int = 2048, repeats: int = 3) -> tuple[float, int]:
+    """Median seconds of a draft's prefill of ``tokens`` tokens, and its K/V bytes."""
+    model = load_mlx_model(model_path)[0]
+    prompt = [100 + (7 * i) % 4000 for i in range(tokens)]
+    times, nbytes = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        caches = prefill_draft(model, prompt)
+        times.append(time.perf_counter() - start)
+        nbytes = sum(c.nbytes for c in caches)
+    return statistics.median(times), int(nbytes)
