@@ -4,8 +4,9 @@ Each served model has a whole router app of its own (``roles.make_router_app``:
 tokenizer, cluster backend, balancers, prefix index, admission, metrics); this
 ASGI app in front of them reads a generation request's body once, picks the app
 by the body's ``model`` and replays the body to it. A body without a ``model``
-goes to the default (first) model; an unknown one to the default app too, which
-checks the API key and then answers OpenAI's 404 ``model_not_found``.
+goes to the default (first) model; a LoRA adapter's name to the pool whose nodes
+hold it; an unknown one to the default app too, which checks the API key and then
+answers OpenAI's 404 ``model_not_found``.
 ``/v1/models`` and ``/metrics`` merge every model's answer; other GET routes
 (``/router/stats``) take ``?model=NAME`` and default to the first model.
 """
@@ -109,7 +110,13 @@ class ModelDispatcher:
         return next((a for a in answers if a.status_code == 200), answers[0])
 
     def app_for(self, model: str | None) -> FastAPI:
-        return self.apps.get(model or self.default, self.apps[self.default])
+        """The app serving ``model``: a model by its name, or the pool holding the adapter."""
+        if model is None or model in self.apps:
+            return self.apps[model or self.default]
+        for app in self.apps.values():
+            if model in app.state.front.adapters:  # a LoRA adapter over that pool's base
+                return app
+        return self.apps[self.default]
 
     async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -66,6 +66,17 @@ async def test_unknown_model_is_404_model_not_found(text_tokenizer, make_engine)
     assert refused.json()["error"]["code"] == "model_not_found"
 
 
+async def test_an_adapter_goes_to_the_pool_of_its_base(text_tokenizer, make_engine) -> None:
+    dispatcher = _dispatcher(text_tokenizer, make_engine)
+    dispatcher.apps["beta"].state.front.adapters = {"beta-lora": "beta"}
+    async with _client(dispatcher) as client:
+        reply = (await _chat(client, "beta-lora")).json()
+        cards = (await client.get("/v1/models")).json()["data"]
+    assert reply["model"] == "beta-lora"
+    assert reply["choices"][0]["message"]["content"] == "from beta"
+    assert {"id": "beta-lora", "parent": "beta"}.items() <= cards[-1].items()
+
+
 async def test_models_and_metrics_cover_every_model(text_tokenizer, make_engine) -> None:
     async with _client(_dispatcher(text_tokenizer, make_engine)) as client:
         await _chat(client, "alpha")
