@@ -55,10 +55,11 @@ def make_parser() -> argparse.ArgumentParser:
     add("--prefix-cache-bytes", type=int,
         help="prompt KV kept across requests, in bytes (default 1 GiB; 0 disables)")
     add("--adapter", dest="adapters", action="append",
-        help="hybrid: serve the LoRA adapter at PATH (mlx-lm format) as model NAME: "
+        help="serve the LoRA adapter at PATH (mlx-lm format) as model NAME: "
              "NAME=PATH[@BASE] (repeatable)")
     add("--enable-lora", action="store_true",
-        help="hybrid: allow POST /v1/load_lora_adapter at run time (implied by --adapter)")
+        help="allow loading LoRA adapters at run time (POST /v1/load_lora_adapter; "
+             "implied by --adapter)")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warmup pass")
     add("--api-key", dest="api_keys", action="append",
         help="hybrid/router: require Authorization: Bearer KEY on /v1/* (repeatable)")

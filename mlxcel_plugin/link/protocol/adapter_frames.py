@@ -5,7 +5,7 @@ can run now, so the router routes an adapter's requests only to nodes holding
 it at that digest (``adapter_map``). An ADAPTER frame from the router asks a
 node to ``load`` (``lora_path``) or ``unload`` an adapter; the node answers
 with an ADAPTER frame of the same ``command_id``: ``done`` (with the digest
-loaded) or ``failed`` (with ``error``). See docs/adapters.md.
+loaded) or ``failed`` (with ``error``). See docs/models-and-adapters.md.
 """
 
 from __future__ import annotations
