@@ -20,13 +20,15 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from mlxcel_plugin.engine_api import Engine, GenerationRequest, TokenEvent
+from mlxcel_plugin.engine_api import Engine, EngineStats, GenerationRequest, TokenEvent
 from mlxcel_plugin.kv_serde.pool import machine_memory_bytes
 from mlxcel_plugin.model_specs import checkpoint_bytes, from_flags
 from mlxcel_plugin.plugins import PluginRegistry
+from mlxcel_plugin.prefix_cache_metrics import register_prefix_cache
 from mlxcel_plugin.scheduling.model_residency import MIB, ResidencyLimits
 from mlxcel_plugin.scheduling.model_set import LoadEngine, ModelSet
 from mlxcel_plugin.scheduling.model_set_metrics import register_model_set
+from mlxcel_plugin.speculative.metrics import register_speculative
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.front import make_app
@@ -99,6 +101,19 @@ def _model_set_lifespan(models: ModelSet, load_on_start: bool) -> Any:
     return lifespan
 
 
+def _register_metrics(app: FastAPI, models: ModelSet, name: str) -> None:
+    """The model's loads and evictions, and its engine's series while loaded (a reload starts
+    the engine's counters again, which Prometheus reads as a counter reset)."""
+    def stats() -> EngineStats:
+        engine = models.engine(name)
+        return engine.stats() if engine is not None else EngineStats()
+
+    registry = app.state.front.metrics.registry
+    register_model_set(registry, models, [name])
+    register_prefix_cache(registry, lambda: stats().prefix_cache)
+    register_speculative(registry, lambda: stats().speculative)
+
+
 def make_models_hybrid_app(config: Any, registry: PluginRegistry) -> NodeModelsDispatcher:
     """One front per configured model over one ``ModelSet``; the first model is the default."""
     models = make_model_set(config, make_loader(config, registry))
@@ -108,7 +123,7 @@ def make_models_hybrid_app(config: Any, registry: PluginRegistry) -> NodeModelsD
         lifespan = None if apps else _model_set_lifespan(models, config.load_on_start)
         app = make_app(ModelSetBackend(models, name), TextTokenizer.from_dir(path), name,
                        lifespan=lifespan, options=options)  # fmt: skip
-        register_model_set(app.state.front.metrics.registry, models, [name])
+        _register_metrics(app, models, name)
         apps[name] = app
     limits = models.limits
     logger.info("models: %s; at most %s loaded, %.0f MiB of weights; %s",

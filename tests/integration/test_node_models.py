@@ -28,7 +28,7 @@ from mlxcel_plugin.local_cluster import NodeProcess, start_node
 STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
 MESSAGES = [{"role": "user", "content": "Write a short story about a fox."}]
-LONG_TOKENS = 1000  # a stream of seconds on a tiny model: the other model's request meets it
+LONG_TOKENS = 400  # a stream of seconds on a tiny model: the other model's request meets it
 NAMES = ("llama", "qwen3")
 pytestmark = pytest.mark.timeout(900)
 
@@ -107,6 +107,9 @@ def test_each_model_answers_as_a_node_serving_it_alone(served) -> None:
         assert greedy_text(node, name) == references[name]
     assert references["llama"] != references["qwen3"]
     assert set(loaded(node)) == set(NAMES)
+    scrape = httpx.get(f"{node.url}/metrics", timeout=10).text
+    for name in NAMES:  # the front's and the engine's series, per model
+        assert f'mlxcel:prefix_cache_lookup_tokens_total{{model_name="{name}"}}' in scrape
     with pytest.raises(openai.NotFoundError) as missing:
         greedy_text(node, "no-such-model")
     assert missing.value.body["code"] == "model_not_found"
