@@ -191,6 +191,7 @@ def build_apps() -> Apps:
         for role, app in _front_apps(model_dir, registry).items():
             apps.http[role] = app
             apps.registries[role] = app.state.front.metrics.registry
+        apps.registries["hybrid (several models)"] = _several_models_registry(model_dir, registry)
     for role, node in _nodes(registry).items():
         apps.registries[role] = node.metrics.registry
     apps.http["prefill, decode"] = _ops_app()
@@ -219,6 +220,16 @@ def _front_apps(model_dir: str, registry: Any) -> dict[str, Any]:
                            "decode_peers": "127.0.0.1:2"}, env=env)  # fmt: skip
     return {"hybrid": make_hybrid_app(hybrid, registry),
             "router": make_router_app(router, registry, env)}  # fmt: skip
+
+
+def _several_models_registry(model_dir: str, registry: Any) -> Any:
+    """A hybrid node serving several models: its routes are a hybrid's, its metrics more."""
+    from mlxcel_plugin.config import build_config
+    from router_plugin.http.node_models import make_models_hybrid_app
+
+    config = build_config({"engine": "fake", "model": [f"a={model_dir}", f"b={model_dir}"]},
+                          env={})  # fmt: skip
+    return make_models_hybrid_app(config, registry).apps["a"].state.front.metrics.registry
 
 
 def _nodes(registry: Any) -> dict[str, Any]:
