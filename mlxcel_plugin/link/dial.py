@@ -80,17 +80,19 @@ async def _attach_bulk(host: str, hs: ClientHandshake,
     if not isinstance(chunk, int) or not 0 < chunk <= config.max_record_bytes:
         raise ProtocolError("peer announced an invalid bulk chunk size")
     tokens = [token, *_lane_tokens(extra, config.bulk_lanes)]
-    attaching = [attach_client(host, port, lane_token, hs.session, chunk,
-                               config.bulk_io_timeout_s, lane, config.bulk_pipeline)
-                 for lane, lane_token in enumerate(tokens)]
-    results = await asyncio.gather(*attaching, return_exceptions=True)
-    channels = [r for r in results if isinstance(r, BulkChannel)]
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        for channel in channels:
-            channel.close()
-        raise failed
-    return channels
+    attaching = [asyncio.ensure_future(attach_client(
+        host, port, lane_token, hs.session, chunk, config.bulk_io_timeout_s, lane,
+        config.bulk_pipeline)) for lane, lane_token in enumerate(tokens)]
+    try:
+        return list(await asyncio.gather(*attaching))
+    except BaseException:  # a lane failed, or the deadline passed: release those attached
+        for task in attaching:
+            task.cancel()
+        await asyncio.gather(*attaching, return_exceptions=True)
+        for task in attaching:
+            if not task.cancelled() and task.exception() is None:
+                task.result().close()
+        raise
 
 
 def _lane_tokens(extra: dict, asked: int) -> list[bytes]:
