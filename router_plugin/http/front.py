@@ -207,7 +207,7 @@ class OpenAIFront:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id and model not in self.adapters:
-            message = f"the model {model!r} does not exist; this server serves {self.model_id!r}"
+            message = f"the model {model!r} does not exist; GET /v1/models lists those served"
             raise ModelNotFoundError(message, param="model")
 
     def _encoded_in_thread(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
