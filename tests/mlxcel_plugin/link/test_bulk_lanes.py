@@ -236,3 +236,45 @@ def test_a_lane_dropped_mid_body_fails_the_link_with_a_named_error(side):
             assert [f.header["i"] for f in got[1:]] == [0]  # the cut body never reaches the app
 
     run(main())
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_bulk_records_are_sealed_and_opened_only_in_lane_threads(monkeypatch):
+    import threading
+
+    from mlxcel_plugin.link.bulk import BULK_IN_THREAD, BULK_OUT_THREAD
+    from mlxcel_plugin.link.protocol.records import RecordReceiver, RecordSender
+
+    seen: dict[str, set[str]] = {"seal": set(), "open": set()}
+
+    def spy(cls, name, kind):
+        real = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            if self._label.startswith(b"mlxcel bulk"):  # not the WebSocket's records
+                seen[kind].add(threading.current_thread().name)
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapped)
+
+    for name in ("seal_into", "seal_parts_into"):
+        spy(RecordSender, name, "seal")
+    for name in ("open_into", "open_parts_into"):
+        spy(RecordReceiver, name, "open")
+
+    async def main():
+        got: list = []
+        async with await serve(await collect(got), lanes_config(granted=2)) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1",
+                                   config=lanes_config(asked=2))
+            parts = [os.urandom(RECORD + 3), os.urandom(5)]
+            await link.send(Frame(FrameType.KV_CHUNK, {"i": 0}, os.urandom(3 * RECORD)))
+            await link.send(Frame(FrameType.KV_CHUNK, {"i": 1}, BodyParts(parts)))
+            await wait_for(lambda: len(got) == 3, "both frames")
+            await link.close()
+
+    run(main())
+    assert seen["seal"] and all(n.startswith(BULK_OUT_THREAD) for n in seen["seal"])
+    assert seen["open"] and all(n.startswith(BULK_IN_THREAD) for n in seen["open"])
+    assert {n.split("_")[0] for n in seen["open"]} == {BULK_IN_THREAD + "0", BULK_IN_THREAD + "1"}
