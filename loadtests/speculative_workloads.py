@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from transformers import AutoTokenizer
 
+from engines.decode_batch import vocab_head
 from engines.model_loader import load_mlx_model
 from engines.speculative.draft_batch import prefill_draft
 
@@ -122,11 +123,12 @@ def verify_row_cost(model_path: str, context: int = 512, repeats: int = 30) -> d
 def draft_prefill_s(model_path: str, tokens: int = 2048, repeats: int = 3) -> tuple[float, int]:
     """Median seconds of a draft's prefill of ``tokens`` tokens, and its K/V bytes."""
     model = load_mlx_model(model_path)[0]
+    body_only = vocab_head(model) is not None  # as DraftBatch prefills
     prompt = [100 + (7 * i) % 4000 for i in range(tokens)]
     times, nbytes = [], 0
     for _ in range(repeats):
         start = time.perf_counter()
-        caches = prefill_draft(model, prompt)
+        caches = prefill_draft(model, prompt, body_only)
         times.append(time.perf_counter() - start)
         nbytes = sum(c.nbytes for c in caches)
     return statistics.median(times), int(nbytes)

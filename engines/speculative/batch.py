@@ -77,6 +77,11 @@ class SpeculativeBatch(DecodeBatch):
         if self._draft is not None:
             self._draft.keep_only(going)
 
+    @property
+    def nbytes(self) -> int:
+        """K/V held, the draft's included (the engine's KV budget counts both)."""
+        return super().nbytes + (self._draft.nbytes if self._draft is not None else 0)
+
     def step_rows(self) -> list[np.ndarray]:
         """One forward; per sequence its logits rows ``[1 + k, vocab]`` (k: its proposals)."""
         sequences = self.sequences

@@ -29,11 +29,17 @@ PREFILL_CHUNK_TOKENS = 512
 Choose = Callable[[str, int, np.ndarray], int]
 
 
-def prefill_draft(model: nn.Module, tokens: list[int] | tuple[int, ...]) -> list[Any]:
-    """The draft's per-layer caches after ``tokens`` (in chunks, as mlx-lm prefills)."""
+def prefill_draft(model: nn.Module, tokens: list[int] | tuple[int, ...],
+                  body_only: bool = False) -> list[Any]:
+    """The draft's per-layer caches after ``tokens`` (in chunks, as mlx-lm prefills).
+
+    ``body_only``: run ``model.model`` (no vocabulary projection: only the K/V is kept),
+    where the model is ``head(model.model(...))`` (``decode_batch.vocab_head``).
+    """
     caches = make_prompt_cache(model)
+    forward = model.model if body_only else model
     for start in range(0, len(tokens), PREFILL_CHUNK_TOKENS):
-        model(mx.array(tokens[start : start + PREFILL_CHUNK_TOKENS])[None], cache=caches)
+        forward(mx.array(tokens[start : start + PREFILL_CHUNK_TOKENS])[None], cache=caches)
         mx.eval([c.state for c in caches])
     return caches
 
@@ -60,7 +66,7 @@ class DraftBatch(DecodeBatch):
         own, caches = [], []
         for sequence in sequences:
             context = unseen(sequence, 0)
-            caches.append(prefill_draft(self.model, context[:-1]))
+            caches.append(prefill_draft(self.model, context[:-1], self._head is not None))
             own.append(Sequence(sequence.request, None, None, context[-1], 0))
             self._cached[sequence.request_id] = len(context) - 1
         self.add(own, caches)
