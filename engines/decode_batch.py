@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.engine_memory import model_bytes
 from engines.kv_quant import mergeable
 from engines.sampling import TokenSampler
 from mlxcel_plugin.engine_api import EmitToken, GenerationRequest
@@ -36,10 +37,13 @@ LENGTH_SLACK_TOKENS = 256
 # group it pads least.
 MAX_GROUPS = 4
 # An extra forward per step costs about as much as copying this many cached
-# tokens (tiny test model on CPU: ~4k; SmolLM2-135M's weights: ~9k tokens of
-# its KV). Joining a group copies the whole group's caches twice (``extend``,
-# then ``filter`` when the sequence leaves), so a sequence with only a few
-# tokens to go opens a group of its own instead.
+# tokens (tiny test model on CPU: ~4k; SmolLM2-135M's weights: ~9k tokens of its
+# KV), or a forward's read of the weights in tokens of K/V where that is less
+# (``forward_cost_tokens``). Joining a group copies the whole group's caches
+# twice (``extend``, then ``filter`` when the sequence leaves), so a sequence
+# with only a few tokens to go, or K/V large beside the weights (a long handoff:
+# gigabytes to copy on the engine thread between two steps), opens a group of
+# its own instead.
 FORWARD_COST_TOKENS = 4096
 
 
@@ -98,12 +102,25 @@ def fits(lengths: list[int], n: int) -> bool:
     return hi - lo <= LENGTH_SLACK_TOKENS or hi <= MAX_LENGTH_RATIO * lo
 
 
-def worth_joining(lengths: list[int], n: int, steps_left: int | None) -> bool:
-    """Whether the copies of joining cost less than a forward of its own for ``steps_left``."""
+def worth_joining(lengths: list[int], n: int, steps_left: int | None,
+                  forward_tokens: int = FORWARD_COST_TOKENS) -> bool:
+    """Whether the copies of joining cost less than a forward of its own for ``steps_left``
+    (``forward_tokens``: cached tokens whose copy costs one forward)."""
     if steps_left is None:
         return True
     copied = 2 * (len(lengths) + 1) * max(*lengths, n)
-    return copied <= steps_left * FORWARD_COST_TOKENS
+    return copied <= steps_left * forward_tokens
+
+
+def forward_cost_tokens(weights_bytes: int, caches: list[Any]) -> int:
+    """``FORWARD_COST_TOKENS``, or fewer: the cached tokens of these caches whose bytes match
+    one forward's read of the weights, where that is less (the constant was measured on
+    small models, whose forwards cost more than their weights' bytes say)."""
+    held = [c for c in caches if getattr(c, "keys", None) is not None and c.keys.ndim == 4]
+    per_token = sum(c.nbytes / max(1, c.keys.shape[2]) for c in held)
+    if not weights_bytes or not per_token:
+        return FORWARD_COST_TOKENS
+    return max(1, min(FORWARD_COST_TOKENS, int(weights_bytes / per_token)))
 
 
 def added_padding(lengths: list[int], n: int) -> int:
@@ -204,6 +221,7 @@ class DecodeBatch:
     def __init__(self, model: nn.Module):
         self.model = model
         self._head = vocab_head(model)
+        self._weights_bytes = model_bytes(model)  # what one forward reads (``worth_joining``)
         self._groups: list[_Group] = []
         # Called with a group's sequences before its forward (engines/lora: their adapters).
         self.before_group: Callable[[list[Sequence]], None] = _nothing
@@ -226,7 +244,8 @@ class DecodeBatch:
         joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
         for sequence, own in zip(sequences, caches, strict=True):
             n = cached_tokens(own)
-            target = self._pick_group(lengths, n, sequence.steps_left)
+            cost = forward_cost_tokens(self._weights_bytes, own)
+            target = self._pick_group(lengths, n, sequence.steps_left, cost)
             if not mergeable(own):  # quantized K/V have no batch form: a group of its own
                 target = len(lengths)
             if target == len(lengths):
@@ -239,12 +258,13 @@ class DecodeBatch:
         self._groups += [_Group.of(arriving) for arriving in joining[len(self._groups) :]]
 
     @staticmethod
-    def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None) -> int:
+    def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None,
+                    forward_tokens: int = FORWARD_COST_TOKENS) -> int:
         """The group a sequence of ``n`` tokens joins; ``len(lengths)``: a new one."""
         candidates = [
             i
             for i, held in enumerate(lengths)
-            if fits(held, n) and worth_joining(held, n, steps_left)
+            if fits(held, n) and worth_joining(held, n, steps_left, forward_tokens)
         ]
         if not candidates and len(lengths) < MAX_GROUPS:
             return len(lengths)

@@ -129,3 +129,27 @@ def test_a_sequence_about_to_end_does_not_copy_a_group_to_join_it(model):
     staying_first, staying = prefilled(model, 1300, 8)
     batch.add([with_budget(staying_first, 500)], [staying])
     assert batch.group_sizes == [5, 1]
+
+
+def test_kv_large_beside_the_weights_opens_a_group_instead_of_being_copied_in(model):
+    """Joining copies the group's caches; where a token's K/V are large beside what a forward
+    reads (an 8B-shaped KV on a narrow body, a long handoff), a group of its own is cheaper."""
+    from engines.decode_batch import forward_cost_tokens
+    from mlxcel_plugin.engine_api import GenerationRequest
+
+    def with_budget(first: int, max_tokens: int) -> Sequence:
+        request = GenerationRequest(f"r{max_tokens}", (1, 2, 3), max_tokens)
+        return Sequence(request, None, None, last_token=first, num_generated=1)
+
+    running = [prefilled(model, 1200, seed) for seed in range(2)]
+    per_token = sum(c.nbytes / c.keys.shape[2] for c in running[0][1])
+    assert forward_cost_tokens(int(per_token * 10), running[0][1]) == 10
+    assert forward_cost_tokens(0, running[0][1]) == 4096  # the weights unknown
+    joining_first, joining = prefilled(model, 1300, 8)
+    expected = alone(model, *prefilled(model, 1300, 8), 4)
+    batch = DecodeBatch(model)
+    batch._weights_bytes = int(per_token * 10)  # a forward reads what 10 tokens' K/V hold
+    batch.add([with_budget(f, 500) for f, _ in running], [c for _, c in running])
+    batch.add([with_budget(joining_first, 500)], [joining])
+    assert batch.group_sizes == [2, 1]
+    assert greedy_steps(batch, 4)[2] == expected  # the same tokens as decoding alone
