@@ -16,10 +16,10 @@ was 16 sent 64.
 Why 16, and a matrix product: measured on one x86 core (NumPy's OpenBLAS, one
 thread, as nodes run it), rotating float32 rows costs ~1.3-1.8 ns per value in
 blocks of 64, ~0.8-0.9 in blocks of 32 and ~0.5 in blocks of 16 (the product's
-work grows with the block; BLAS stays efficient down to 16). A butterfly
-(fast Walsh-Hadamard) transform in NumPy passes costs ~14 ns per value: its
-short strided passes are all overhead. Blocks of 16 cost little quality
-(``loadtests/bench_kv_codecs.py --rotation-blocks``; see ``quant``).
+work grows with the block; BLAS stays efficient down to 16, not below: 8 costs
+~0.9). A butterfly (fast Walsh-Hadamard) transform in NumPy passes costs ~14 ns
+per value: its short strided passes are all overhead. Blocks of 16 cost no
+measurable quality on SmolLM2 (see ``quant``).
 """
 
 from __future__ import annotations
