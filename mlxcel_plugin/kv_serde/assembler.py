@@ -358,9 +358,8 @@ class KVAssembler:
         end = EndHeader.from_dict(raw)
         self._check_attempt(end.handoff_id, end.epoch)
         if end.num_layers != self.local.num_layers:
-            raise LayerCountMismatch(
-                f"end lists {end.num_layers} layers, this model has {self.local.num_layers}"
-            )
+            raise LayerCountMismatch(f"end lists {end.num_layers} layers, this model has "
+                                     f"{self.local.num_layers}")
         if self.received_chunks > end.chunks:
             raise UnexpectedMessage(f"{self.received_chunks} chunks, end declares {end.chunks}")
         for index, crcs in enumerate(end.checksums):
@@ -380,8 +379,9 @@ class KVAssembler:
             if layer is None or not layer.complete:
                 raise TruncatedLayer(f"layer {index} is incomplete after {end.chunks} chunks")
         # Every tensor was checked against end as it completed (or when end arrived).
-        self._state = "done"
-        return SerializableCacheState(self._begun(), self._cache_state())
+        self._state, state = "done", SerializableCacheState(self._begun(), self._cache_state())
+        self._layers.clear()  # the state holds them: a view kept here makes MLX copy at decode
+        return state
 
     def _cache_state(self) -> CacheState:
         return CacheState([layer.cache_layer() for _, layer in sorted(self._layers.items())])

@@ -63,11 +63,11 @@ def receive(checksum_of: str, seed: int):
                                                                              header=header))):
             state = assembler.feed(message) or state
     assert state is not None
-    return cache, state.cache
+    return cache, state.cache, assembler
 
 
 def test_a_v4_handoff_lands_in_buffers_with_room_and_decode_writes_them_in_place():
-    sent, received = receive(CHECKSUM_OF_NONE, seed=3)
+    sent, received, assembler = receive(CHECKSUM_OF_NONE, seed=3)  # kept: it lets go of views
     # A CacheLayer still shows T positions.
     assert [g.keys.shape for g in received.layers] == [w.keys.shape for w in sent.layers]
     caches = kv_convert.from_cache_state(received)
@@ -90,7 +90,7 @@ def test_a_v4_handoff_lands_in_buffers_with_room_and_decode_writes_them_in_place
 
 @pytest.mark.parametrize("checksum_of", [CHECKSUM_OF_HELD])
 def test_a_checksummed_handoff_is_received_without_room_as_before(checksum_of):
-    sent, received = receive(checksum_of, seed=4)
+    sent, received, _ = receive(checksum_of, seed=4)
     caches = kv_convert.from_cache_state(received)
     for cache, want in zip(caches, sent.layers, strict=True):
         assert cache.keys.shape[2] == TOKENS == cache.offset
