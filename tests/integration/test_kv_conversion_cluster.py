@@ -37,8 +37,11 @@ from tests.integration.test_arch_matrix_cluster import (
 from tests.integration.test_arch_matrix_kv_bits import KV_BITS, hybrid_bodies
 
 pytestmark = pytest.mark.timeout(900)
-# Every request through a prefill node and a handoff (no decode-local prefill).
-ROUTED = '[transfer]\nstrategy = "streamed"\n[prefix_cache]\nlocal_prefill_tokens = 0\n'
+# Every request through a prefill node and a handoff (no decode-local prefill). Whole-chunk
+# reuse: no node runs the start-up reuse probe, which is not what these tests check and which
+# costs minutes on a float16 SmolLM2 on a CPU (its own tests: tests/engines/prefix/).
+ROUTED = ('[transfer]\nstrategy = "streamed"\n'
+          '[prefix_cache]\nlocal_prefill_tokens = 0\ngranularity = "chunk"\n')
 SLOW_STARTUP_S = 600
 _MX = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
