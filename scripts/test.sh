@@ -6,8 +6,10 @@
 #                             (pytest -m quick; tests/conftest.py says which paths)
 # Tests run on two pytest-xdist workers (most real-process tests wait on their nodes, so two
 # workers keep two cores busy); `--dist loadfile` keeps a module on one worker, so its cluster
-# fixtures start once, and free_port gives each worker its own ports. Pass `-n 0` for one
-# process. Any other arguments go to pytest.
+# fixtures start once, and free_port gives each worker its own ports; `--no-loadscope-reorder`
+# keeps tests/conftest.py's order (modules that start processes first: xdist's own order, most
+# tests first, left the few long modules to run alone at the end). Pass `-n 0` for one process.
+# Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 selection=()
@@ -15,7 +17,7 @@ if [ "${1:-}" = --quick ]; then
   shift
   selection=(-m quick)
 fi
-workers=(-n 2 --dist loadfile)
+workers=(-n 2 --dist loadfile --no-loadscope-reorder)
 for arg in "$@"; do
   case "$arg" in -n|-n*|--numprocesses*) workers=() ;; esac
 done

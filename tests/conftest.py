@@ -33,10 +33,28 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None if _is_quick(collection_path) else True
 
 
+# Modules that start node processes, slowest first (SmolLM2's): under pytest-xdist
+# (`--dist loadfile --no-loadscope-reorder`, scripts/test.sh) each worker takes the next module
+# in this order, so the long ones start early and the many short in-process ones fill the end,
+# instead of one long module running alone on one worker while the other idles.
+PROCESS_DIRS = ("integration", "chaos", "loadtests", "engines/sharding")
+
+
+def _start_rank(item: pytest.Item) -> int:
+    if item.get_closest_marker("smollm2"):
+        return 0
+    relative = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+    return 1 if relative.startswith(PROCESS_DIRS) else 2
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _is_quick(item.path):
             item.add_marker(pytest.mark.quick)
+    module_rank: dict[Path, int] = {}
+    for item in items:
+        module_rank[item.path] = min(module_rank.get(item.path, 2), _start_rank(item))
+    items.sort(key=lambda item: module_rank[item.path])  # stable: a module's order is kept
 
 
 def model_cache_root() -> Path:
