@@ -116,7 +116,9 @@ def forward_cost_tokens(weights_bytes: int, caches: list[Any]) -> int:
     """``FORWARD_COST_TOKENS``, or fewer: the cached tokens of these caches whose bytes match
     one forward's read of the weights, where that is less (the constant was measured on
     small models, whose forwards cost more than their weights' bytes say)."""
-    held = [c for c in caches if getattr(c, "keys", None) is not None and c.keys.ndim == 4]
+    # Plain K/V only: a quantized cache's keys are a (words, scales, biases) tuple.
+    held = [c for c in caches if isinstance(getattr(c, "keys", None), mx.array)
+            and c.keys.ndim == 4]
     per_token = sum(c.nbytes / max(1, c.keys.shape[2]) for c in held)
     if not weights_bytes or not per_token:
         return FORWARD_COST_TOKENS
