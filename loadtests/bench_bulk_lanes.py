@@ -78,8 +78,9 @@ async def receive(lanes: int, record: int, total: int) -> None:
 # ---------------------------------------------------------------- sender
 
 
-async def send(port: int, lanes: int, pipeline: bool, total: int) -> dict[str, float]:
-    config = LinkConfig(bulk_lanes=lanes, bulk_pipeline=pipeline)
+async def send(port: int, lanes: int, pipeline: bool, total: int,
+               queue_bytes: int) -> dict[str, float]:
+    config = LinkConfig(bulk_lanes=lanes, bulk_pipeline=pipeline, send_queue_bytes=queue_bytes)
     link = await dial_link(f"127.0.0.1:{port}", SECRET, "prefill", "lanes-source",
                            config=config)
     assert link.bulk_lanes == lanes, (link.bulk_lanes, lanes)
@@ -95,16 +96,26 @@ async def send(port: int, lanes: int, pipeline: bool, total: int) -> dict[str, f
             "recv_cpu_per_gib": ack.header["cpu_s"] / gib}
 
 
-def one_run(lanes: int, record: int, pipeline: bool, total: int, pin: bool) -> dict[str, float]:
+def one_run(lanes: int, record: int, pipeline: bool, total: int, pin: bool,
+            queue_bytes: int) -> dict[str, float]:
     child = [sys.executable, __file__, "--receive", str(lanes), str(record), str(total)]
     if pin:
         child = ["taskset", "-c", "1", *child]
     proc = subprocess.Popen(child, stdout=subprocess.PIPE, text=True)
     try:
         port = json.loads(proc.stdout.readline())["port"]
-        return asyncio.run(asyncio.wait_for(send(port, lanes, pipeline, total), 300))
+        return asyncio.run(asyncio.wait_for(send(port, lanes, pipeline, total, queue_bytes), 300))
     finally:
         proc.wait(timeout=30)
+
+
+def queue_bytes(choice: str, lanes: int) -> int:
+    default = LinkConfig().send_queue_bytes
+    if choice == "default":
+        return default
+    if choice == "per-lane":  # as nodes.roles.kv_link_config sizes it
+        return max(default, lanes * (FRAME_BYTES + 64 * 1024))
+    return parse_bytes(choice)
 
 
 def main() -> None:
@@ -117,6 +128,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction,
                         default=(os.cpu_count() or 1) >= 2)
+    parser.add_argument("--queue", default="default",
+                        help="the sender's send_queue_bytes: 'default' (LinkConfig's), "
+                        "'per-lane' (a 16 MiB frame a lane, as KV links) or a size (64m)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.receive:
@@ -131,12 +145,14 @@ def main() -> None:
     for record in (parse_bytes(r) for r in args.records.split(",")):
         for lanes in (int(n) for n in args.lanes.split(",")):
             for pipeline in (p == "on" for p in args.pipeline.split(",")):
-                runs = [one_run(lanes, record, pipeline, total, args.pin)
+                queue = queue_bytes(args.queue, lanes)
+                runs = [one_run(lanes, record, pipeline, total, args.pin, queue)
                         for _ in range(args.repeats)]
-                row = {"record": record, "lanes": lanes, "pipeline": pipeline,
+                row = {"record": record, "lanes": lanes, "pipeline": pipeline, "queue": queue,
                        **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
                 rows.append(row)
-                print(f"record {record >> 10:5d} KiB  lanes {lanes}  pipelined "
+                print(f"queue {queue >> 20:3d} MiB  record {record >> 10:5d} KiB  lanes {lanes}  "
+                      "pipelined "
                       f"{'yes' if pipeline else 'no ':3s}  {row['gib_s']:.2f} GiB/s  "
                       f"send {row['send_cpu_per_gib']:.2f}  recv {row['recv_cpu_per_gib']:.2f} "
                       f"CPU-s/GiB (median of {len(runs)})", flush=True)
