@@ -96,3 +96,41 @@ def test_a_checksummed_handoff_is_received_without_room_as_before(checksum_of):
         assert cache.keys.shape[2] == TOKENS == cache.offset
         assert np.array_equal(np.array(cache.keys), want.keys)
         assert np.array_equal(np.array(cache.values), want.values)
+
+
+SMALL = make_fingerprint(num_layers=3, kv_heads=2, head_dim=64, dtype="float16")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["full", "layer-parallel"])
+def test_over_real_links_the_decode_cache_holds_the_senders_bytes_with_room(strategy):
+    """The main path end to end: a v4 handoff over real links (127.0.0.1, AES-GCM, bulk
+    channels; layer-parallel over 3) into a HandoffReceiver with the MLX engine's buffers
+    and adopter, as a decode node wires it; the rebuilt caches hold the sender's bytes."""
+    import asyncio
+
+    from mlxcel_plugin.builtin_plugin import TRANSFER_STRATEGIES
+    from mlxcel_plugin.nodes.handoff_receiver import Completed
+    from mlxcel_plugin.transfer import make_strategy
+    from tests.mlxcel_plugin.nodes.test_kv_over_lanes import LANES, receive_over_links
+
+    lanes = LANES if strategy == "layer-parallel" else 1
+    tokens = 700
+    cache = make_cache(SMALL, tokens, seed=5)
+    plan = make_strategy(strategy, "none", {s.name: s for s in TRANSFER_STRATEGIES},
+                         builtin_codecs(), chunk_bytes=32 * 1024, lanes=lanes)
+    header = dataclasses.replace(make_header(SMALL, tokens), checksum_of=CHECKSUM_OF_NONE)
+    messages = list(plan.start(header))
+    for index, layer in enumerate(cache.layers):
+        messages += plan.add_layer(index, layer)
+    messages += list(plan.finish())
+    outcome, _, seen = asyncio.run(receive_over_links(
+        messages, builtin_codecs(), lanes, fingerprint=SMALL, adopt=kv_convert.adopt_layer,
+        make_buffers=kv_convert.ReceiveBuffers()))
+    assert isinstance(outcome, Completed), outcome
+    assert any(isinstance(f.body, BodyParts) and f.body.groups for f in seen)  # per-head pieces
+    caches = kv_convert.from_cache_state(outcome.state.cache)
+    for rebuilt, want in zip(caches, cache.layers, strict=True):
+        assert rebuilt.offset == tokens and rebuilt.keys.shape[2] == 768  # room: 700 -> 768
+        assert np.array_equal(np.array(rebuilt.keys[..., :tokens, :]), want.keys)
+        assert np.array_equal(np.array(rebuilt.values[..., :tokens, :]), want.values)

@@ -66,9 +66,11 @@ def handoff_messages(strategy: str, codec: str, lanes: int):
     return cache, messages + list(plan.finish())
 
 
-async def receive_over_links(messages, codecs, lanes: int, cut_lane_after: int | None = None):
-    """Send ``messages`` over ``lanes`` links to a HandoffReceiver; its outcome and frames."""
-    receiver = HandoffReceiver(FP, codecs, admit=lambda header: None)
+async def receive_over_links(messages, codecs, lanes: int, cut_lane_after: int | None = None,
+                             fingerprint=FP, **receiver_args):
+    """Send ``messages`` over ``lanes`` links to a HandoffReceiver; its outcome and frames.
+    ``receiver_args``: an engine's ``adopt`` and ``make_buffers``, as a decode node passes."""
+    receiver = HandoffReceiver(fingerprint, codecs, admit=lambda header: None, **receiver_args)
     outcome: asyncio.Future = asyncio.get_running_loop().create_future()
     seen = []
 
