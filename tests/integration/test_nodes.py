@@ -178,8 +178,12 @@ def test_greedy_output_matches_hybrid(mlx_nodes, expected, strategy, codec):
 
     got = run(go())
     assert got == {f"len{n}": expected[f"len{n}"] for n in PROMPT_LENGTHS}
-    # The configured strategy and codec are what went over the wire, and say so.
-    assert health(prefill)["transfer"]["last_choice"]["codec"] == codec
+    # The configured strategy and codec are what went over the wire, and say so; raw bodies
+    # went without crc32s (serde v4, which the decode node announced: AES-GCM authenticates
+    # them), other codecs with their digest.
+    last_choice = health(prefill)["transfer"]["last_choice"]
+    assert last_choice["codec"] == codec
+    assert last_choice["checksum_of"] == ("none" if codec == "none" else "held")
     chosen = f'mlxcel:handoff_choices_total{{codec="{codec}",strategy="{strategy}"}}'
     assert chosen in metrics(prefill)
     # Streaming strategies send each prefill cell's rows after its forward, before the layer.
