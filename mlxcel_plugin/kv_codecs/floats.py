@@ -14,6 +14,11 @@ from mlxcel_plugin.kv_codecs.base import CodecError, storage_dtype
 F16_MAX = 65504.0
 BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))
 F32_MAX = float(np.finfo(np.float32).max)
+# float16's exponent bias is 15, float32's 127: moving the bits is scaling by 2**112.
+_F16_TO_F32 = np.float32(2.0**112)
+_F32_TO_F16 = np.float32(2.0**-112)
+_F16_EXPONENT_BITS = 0x7C00  # all ones: inf or nan
+_F16_MIN_NORMAL_AS_F32 = 0x38800000  # 2**-14, float32 bits
 
 
 def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
@@ -23,7 +28,9 @@ def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
         np.copyto(bits, array, casting="unsafe")
         np.left_shift(bits, 16, out=bits)
         return bits.view("<f4")
-    if dtype in ("float16", "float32"):
+    if dtype == "float16":
+        return float16_to_float32(array)
+    if dtype == "float32":
         return array.astype("<f4", copy=False)  # callers never write into it
     raise CodecError(f"quantization needs a float tensor, got {dtype!r}")
 
@@ -37,13 +44,59 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(storage_dtype(dtype), copy=False)
 
 
+def float16_to_float32(array: np.ndarray) -> np.ndarray:
+    """float16 values as float32, exactly as NumPy casts them but ~3x faster (measured 0.5
+    against 1.6 ns per value): exponent and mantissa bits moved under float32's are the
+    value times 2**-112 (subnormals included). With an inf or nan: NumPy's cast."""
+    wide = np.empty(array.shape, dtype="<u4")
+    np.copyto(wide, array.view("<u2"), casting="unsafe")
+    magnitude = np.bitwise_and(wide, np.uint32(0x7FFF))
+    if magnitude.size and magnitude.max() >= _F16_EXPONENT_BITS:
+        return array.astype("<f4")
+    np.left_shift(magnitude, 13, out=magnitude)
+    values = magnitude.view("<f4")
+    np.multiply(values, _F16_TO_F32, out=values)
+    np.bitwise_and(wide, np.uint32(0x8000), out=wide)
+    np.left_shift(wide, 16, out=wide)
+    np.bitwise_or(magnitude, wide, out=magnitude)
+    return values
+
+
+def float16_bits(values: np.ndarray) -> np.ndarray:
+    """``values`` (float32, finite, |x| <= F16_MAX; overwritten) as float16 bits in uint32,
+    rounded to nearest even exactly as NumPy's cast, ~2.5x faster. Values below float16's
+    smallest normal (scaling them would round twice) round on the subnormal grid apart."""
+    bits = values.view("<u4")
+    scratch = np.bitwise_and(bits, np.uint32(0x7FFFFFFF))
+    np.subtract(scratch, np.uint32(1), out=scratch)  # zero wraps to the top
+    tiny = np.flatnonzero(scratch < _F16_MIN_NORMAL_AS_F32 - 1)
+    subnormal = np.rint(np.abs(values.reshape(-1)[tiny]) * np.float32(2.0**24))
+    sign = np.right_shift(bits, 16)
+    np.bitwise_and(sign, np.uint32(0x8000), out=sign)
+    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=bits)
+    np.multiply(values, _F32_TO_F16, out=values)  # exact where the result stays normal
+    np.right_shift(bits, 13, out=scratch)
+    np.bitwise_and(scratch, np.uint32(1), out=scratch)
+    np.add(bits, scratch, out=bits)
+    np.add(bits, np.uint32(0x0FFF), out=bits)  # ties to even on the 13 dropped bits
+    np.right_shift(bits, 13, out=bits)
+    np.bitwise_or(bits, sign, out=bits)
+    flat = bits.reshape(-1)
+    flat[tiny] = subnormal.astype(np.uint32) | sign.reshape(-1)[tiny]  # k x 2**-24
+    return bits
+
+
 def rounded_for_storage(values: np.ndarray, dtype: str) -> np.ndarray:
-    """``values`` (float32, overwritten) as an array that ``np.copyto(out, ...,
-    casting="unsafe")`` writes into ``dtype``'s storage, rounded to nearest.
+    """``values`` (float32, overwritten) rounded to nearest in ``dtype``: either the
+    storage's bits (an unsigned array: copy it into the storage's bits) or float32 values
+    (copy them with ``casting="unsafe"``). Finite values past ``dtype``'s largest must be
+    clipped first.
 
     bfloat16: ties away from zero, the bits in each element's low half — two integer
     passes where ``from_float32``'s ties-to-even takes five (measured ~0.23 against
-    ~0.5 ns per value). Finite values past the largest bfloat16 must be clipped first."""
+    ~0.5 ns per value). float16: ``float16_bits`` (ties to even)."""
+    if dtype == "float16":
+        return float16_bits(values)
     if dtype != "bfloat16":
         return values
     bits = values.view("<u4")

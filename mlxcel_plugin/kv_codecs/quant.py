@@ -273,14 +273,17 @@ class GroupQuantCodec:
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
         used = BlockCursor()
+        decoded_bits = np.dtype(f"<u{out.dtype.itemsize}")
         for block in blocks(fmt, rows, head_dim, block_starts(fmt, rows, head_dim)):
             exact_part, group_part, code_part = used.advance(block, head_dim)
             block_minimums = minimums[group_part] if minimums is not None else None
             values = dequantize(codes[code_part], block.groups, scales[group_part],
                                 block_minimums, head_dim)
             decoded = restore(values, fmt.rotation, clip, dtype)
-            place_rows(out[block.start : block.stop], block.exact, exact_values[exact_part],
-                       decoded)
+            target, exact_rows = out[block.start : block.stop], exact_values[exact_part]
+            if decoded.dtype.kind == "u":  # the storage's bits: copy them as bits
+                target, exact_rows = target.view(decoded_bits), exact_rows.view(decoded_bits)
+            place_rows(target, block.exact, exact_rows, decoded)
 
     def _sections(
         self,

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from mlxcel_plugin.kv_codecs import ChunkLayout, GroupQuantCodec, from_float32, to_float32
-from mlxcel_plugin.kv_codecs.floats import BF16_MAX, rounded_for_storage
+from mlxcel_plugin.kv_codecs.floats import (
+    BF16_MAX,
+    F16_MAX,
+    float16_bits,
+    float16_to_float32,
+    rounded_for_storage,
+)
 from mlxcel_plugin.kv_codecs.groups import TokenGroups
 from mlxcel_plugin.kv_codecs.quant_decode import needs_clip
 from mlxcel_plugin.kv_codecs.quant_encode import group_extremes, group_ranges, quantize
@@ -143,3 +149,37 @@ def test_subnormal_scales_quantize_within_range():
         body, meta = codec.encode(array, "float32", ChunkLayout(tensor, 8, 0))
         decoded = codec.decode(bytes(body), meta, array.shape, "float32")
         assert np.all(np.abs(decoded - array) <= codec.profile.relative_error * extent(array))
+
+
+def test_float16_widens_exactly_as_numpy_casts_every_pattern():
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = halves[np.isfinite(halves)]
+    assert np.array_equal(float16_to_float32(finite).view("<u4"),
+                          finite.astype("<f4").view("<u4"))
+    with_inf = np.array([1.0, np.inf, -2.0], dtype=np.float16)  # NumPy's cast, as it was
+    assert np.array_equal(float16_to_float32(with_inf), with_inf.astype("<f4"))
+
+
+def test_float16_narrows_to_nearest_even_as_numpy_casts():
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal(200_000) * 10.0 ** rng.uniform(-9, 4.8, 200_000)
+    grid = np.arange(1 << 15, dtype=np.uint16).view(np.float16).astype(np.float64)
+    grid = grid[np.isfinite(grid) & (grid < F16_MAX)]  # subnormals too
+    ties = (grid[:-1] + grid[1:]) / 2  # exactly halfway: ties go to the even neighbour
+    values = np.concatenate([values, ties, -ties, [0.0, -0.0, F16_MAX, 65519.0, 1e-40]])
+    values = np.clip(values, -65519.0, 65519.0).astype("<f4")
+    rows = values[: values.size // 7 * 7].reshape(-1, 7)  # 2-D, as decoded rows are
+    bits = float16_bits(rows.copy()).reshape(-1)
+    want = rows.reshape(-1).astype(np.float16).view(np.uint16)
+    assert np.array_equal(bits.astype(np.uint16), want)
+
+
+def test_float16_decoding_of_tiny_values_stays_within_the_bound():
+    codec = GroupQuantCodec(8)
+    array = (np.random.default_rng(5).standard_normal((8, 64)) * 1e-5).astype("<f2")
+    for tensor in ("k", "v"):
+        body, meta = codec.encode(array, "float16", ChunkLayout(tensor, 8, 0))
+        decoded = codec.decode(bytes(body), meta, array.shape, "float16").astype("<f4")
+        want = array.astype("<f4")
+        assert np.all(np.abs(decoded - want) <= codec.profile.relative_error * extent(want)
+                      + 2.0**-25)
