@@ -16,6 +16,7 @@ import numpy as np
 from mlxcel_plugin.kv_codecs.floats import finite_max, rounded_for_storage
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
 from mlxcel_plugin.kv_codecs.rotation import rotate
+from mlxcel_plugin.kv_codecs.scratch import scratch
 
 # Float32 rounding of the products and sums behind a decoded value, with room to spare.
 _ROUNDING_SLACK = 1 + 2.0**-10
@@ -29,7 +30,7 @@ def dequantize(
     head_dim: int,
 ) -> np.ndarray:
     """The block's quantized rows as float32 [rows, head_dim]: code x scale (+ minimum)."""
-    work = np.empty((codes.size // head_dim, head_dim), dtype="<f4")
+    work = scratch("decode.work", (codes.size // head_dim, head_dim), "<f4")
     np.copyto(work, codes.reshape(work.shape), casting="unsafe")
     grouped = groups.view(work)
     np.multiply(grouped, groups.expand(scales), out=grouped)
@@ -59,7 +60,7 @@ def needs_clip(
 def restore(values: np.ndarray, rotation: int, clip: bool, dtype: str) -> np.ndarray:
     """Dequantized rows rotated back, clipped if ``clip``, ready for ``place_rows``."""
     if rotation:
-        values = rotate(values, rotation)
+        values = rotate(values, rotation, out=scratch("decode.rotated", values.shape, "<f4"))
     if clip:
         limit = finite_max(dtype)
         np.clip(values, -limit, limit, out=values)
