@@ -54,6 +54,12 @@ class DimGroups:
     def expand(self, per_group: np.ndarray) -> np.ndarray:
         return per_group.reshape(-1, 1)
 
+    def apply(self, ufunc: np.ufunc, values: np.ndarray, per_group: np.ndarray,
+              out: np.ndarray) -> np.ndarray:
+        """``ufunc(value, its group's entry)`` into ``out`` (may be ``values``)."""
+        ufunc(self.view(values), self.expand(per_group), out=self.view(out))
+        return out
+
 
 class TokenGroups:
     """One group per channel per run of at most ``size`` tokens of one head."""
@@ -87,3 +93,15 @@ class TokenGroups:
 
     def expand(self, per_group: np.ndarray) -> np.ndarray:
         return np.repeat(per_group.reshape(-1, self.head_dim), self.lengths, axis=0)
+
+    def apply(self, ufunc: np.ufunc, values: np.ndarray, per_group: np.ndarray,
+              out: np.ndarray) -> np.ndarray:
+        """``ufunc(value, its group's entry)`` into ``out`` (may be ``values``): each run of
+        equal-length runs broadcast as a view, with no expanded copy of ``per_group``."""
+        per_group = per_group.reshape(-1, 1, self.head_dim)
+        for first, runs, length in self.segments:
+            rows = slice(int(self.starts[first]), int(self.starts[first]) + runs * length)
+            shape = (runs, length, self.head_dim)
+            ufunc(values[rows].reshape(shape), per_group[first : first + runs],
+                  out=out[rows].reshape(shape))
+        return out

@@ -108,6 +108,7 @@ from mlxcel_plugin.kv_codecs.rotation import (
     rotation_block,
 )
 from mlxcel_plugin.kv_codecs.rotation_bound import exact_check, surely_within
+from mlxcel_plugin.kv_codecs.scratch import scratch
 
 # Re-exported: callers imported the float helpers from here before they had a module.
 __all__ = ["GroupQuantCodec", "finite_max", "from_float32", "round_down", "to_float32"]
@@ -223,7 +224,9 @@ class GroupQuantCodec:
     ) -> tuple[str, bytes, bytes, bytes] | None:
         """(scale kind, minimums, scales, codes) of the quantized rows; None where a rotation
         does not fit ``dtype`` or (keys) breaks the error bound: then send them unrotated."""
-        work = rotate(values, fmt.rotation) if fmt.rotation else values
+        work = values
+        if fmt.rotation:
+            work = rotate(values, fmt.rotation, out=scratch("encode.rotated", values.shape, "<f4"))
         low, high = group_extremes(work, groups, fmt.asymmetric)
         # Half the range keeps rotated minimums and ranges finite in the dtype.
         if fmt.rotation and not extremes_reach(low, high) <= finite_max(dtype) / 2:

@@ -32,10 +32,9 @@ def dequantize(
     """The block's quantized rows as float32 [rows, head_dim]: code x scale (+ minimum)."""
     work = scratch("decode.work", (codes.size // head_dim, head_dim), "<f4")
     np.copyto(work, codes.reshape(work.shape), casting="unsafe")
-    grouped = groups.view(work)
-    np.multiply(grouped, groups.expand(scales), out=grouped)
+    groups.apply(np.multiply, work, scales, out=work)
     if minimums is not None:
-        np.add(grouped, groups.expand(minimums), out=grouped)
+        groups.apply(np.add, work, minimums, out=work)
     return work
 
 

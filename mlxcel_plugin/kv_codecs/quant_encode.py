@@ -13,6 +13,7 @@ import numpy as np
 from mlxcel_plugin.kv_codecs.base import CodecError
 from mlxcel_plugin.kv_codecs.floats import F32_MAX, finite_max, round_down, to_float32
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
+from mlxcel_plugin.kv_codecs.scratch import scratch
 
 SCALE = np.dtype("<f4")
 _F16_MIN_NORMAL = 2.0**-14  # below it a float16 scale loses precision
@@ -25,7 +26,8 @@ def group_extremes(
     """(minimum, maximum) of each group; symmetric: (None, maximum |value|)."""
     if asymmetric:
         return groups.reduce(values, np.minimum), groups.reduce(values, np.maximum)
-    return None, groups.reduce(np.abs(values), np.maximum)
+    magnitude = np.abs(values, out=scratch("encode.magnitude", values.shape, values.dtype))
+    return None, groups.reduce(magnitude, np.maximum)
 
 
 def extremes_reach(low: np.ndarray | None, high: np.ndarray) -> float:
@@ -99,16 +101,16 @@ def quantize(
     stored minimum at most the group's, so value x (1 / scale) rounds within
     ``code_range`` (three float32 roundings add < 2**-21 of a step). A subnormal scale,
     whose inverse overflows, divides and clips instead."""
-    offset = groups.view(values)
+    codes = scratch("encode.codes", values.shape, "<f4")
+    offset = values
     if minimums is not None:
-        offset = np.subtract(offset, groups.expand(minimums))
+        offset = groups.apply(np.subtract, values, minimums, out=codes)
     with np.errstate(divide="ignore", over="ignore"):
         inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
     if np.isfinite(inverse).all():
-        codes = np.multiply(offset, groups.expand(inverse),
-                            out=offset if minimums is not None else None)
+        groups.apply(np.multiply, offset, inverse, out=codes)
         return np.rint(codes, out=codes)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.rint(np.divide(offset, groups.expand(scales)))
+        codes = np.rint(groups.apply(np.divide, offset, scales, out=codes))
     codes = np.nan_to_num(codes, nan=0.0, copy=False)  # 0 / 0: a group of zeros
     return np.clip(codes, *code_range, out=codes)
