@@ -145,6 +145,8 @@ def test_kv_large_beside_the_weights_opens_a_group_instead_of_being_copied_in(mo
     per_token = sum(c.nbytes / c.keys.shape[2] for c in running[0][1])
     assert forward_cost_tokens(int(per_token * 10), running[0][1]) == 10
     assert forward_cost_tokens(0, running[0][1]) == 4096  # the weights unknown
+    quantized = [c.to_quantized(group_size=32, bits=8) for c in running[0][1]]
+    assert forward_cost_tokens(int(per_token * 10), quantized) == 4096  # keys are a tuple
     joining_first, joining = prefilled(model, 1300, 8)
     expected = alone(model, *prefilled(model, 1300, 8), 4)
     batch = DecodeBatch(model)
