@@ -134,6 +134,8 @@ def test_a_sequence_about_to_end_does_not_copy_a_group_to_join_it(model):
 def test_kv_large_beside_the_weights_opens_a_group_instead_of_being_copied_in(model):
     """Joining copies the group's caches; where a token's K/V are large beside what a forward
     reads (an 8B-shaped KV on a narrow body, a long handoff), a group of its own is cheaper."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
     from engines.decode_batch import forward_cost_tokens
     from mlxcel_plugin.engine_api import GenerationRequest
 
@@ -145,8 +147,10 @@ def test_kv_large_beside_the_weights_opens_a_group_instead_of_being_copied_in(mo
     per_token = sum(c.nbytes / c.keys.shape[2] for c in running[0][1])
     assert forward_cost_tokens(int(per_token * 10), running[0][1]) == 10
     assert forward_cost_tokens(0, running[0][1]) == 4096  # the weights unknown
-    quantized = [c.to_quantized(group_size=32, bits=8) for c in running[0][1]]
-    assert forward_cost_tokens(int(per_token * 10), quantized) == 4096  # keys are a tuple
+    quantized = QuantizedKVCache(group_size=32, bits=8)  # its keys are a tuple of arrays
+    quantized.keys = quantized.values = (mx.zeros((1, 2, 8, 4), dtype=mx.uint32),
+                                         mx.zeros((1, 2, 8, 1)), mx.zeros((1, 2, 8, 1)))
+    assert forward_cost_tokens(int(per_token * 10), [quantized]) == 4096
     joining_first, joining = prefilled(model, 1300, 8)
     expected = alone(model, *prefilled(model, 1300, 8), 4)
     batch = DecodeBatch(model)
