@@ -33,11 +33,7 @@ from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks
-from mlxcel_plugin.nodes.kv_wire import (
-    FRAME_CHUNK_BYTES,
-    KV_SERDE_ANNOUNCE,
-    announce_serde_versions,
-)
+from mlxcel_plugin.nodes.kv_wire import KV_SERDE_ANNOUNCE, announce_serde_versions
 from mlxcel_plugin.nodes.mdns_advert import advertise
 from mlxcel_plugin.nodes.ops_server import OpsRoutes, OpsServer
 from mlxcel_plugin.nodes.prefill_node import PrefillNode, PrefillNodeParts
@@ -100,7 +96,6 @@ DECODE_BULK_READER_NICE = 10
 # KV chunks from this size on take the bulk channel: decrypted off the event loop, into
 # the assembler's buffers, without the GIL, instead of on the loop the batch shares.
 KV_BULK_THRESHOLD_BYTES = 32 * 1024
-KV_FRAME_SLACK_BYTES = 64 * 1024  # a KV frame's header and chunk list, beyond its body
 
 
 def link_config(role: str) -> LinkConfig:
@@ -111,13 +106,12 @@ def link_config(role: str) -> LinkConfig:
 def kv_link_config() -> LinkConfig:
     """Links a prefill node dials to decode nodes to hand KV caches over: bodies spread
     over parallel bulk lanes (``MLXCEL_BULK_LANES``, else one per core up to 4)."""
-    lanes = default_bulk_lanes()
-    # Room for a full KV frame per lane: the default send queue (32 MiB) holds just one
-    # 16 MiB frame and its header, which left every other lane idle. Identity bodies are
-    # views of the cache (no copy); coded ones are at most this much memory.
-    queue = max(LinkConfig.send_queue_bytes, lanes * (FRAME_CHUNK_BYTES + KV_FRAME_SLACK_BYTES))
-    return LinkConfig(bulk_threshold_bytes=KV_BULK_THRESHOLD_BYTES, bulk_lanes=lanes,
-                      send_queue_bytes=queue)
+    # The send queue stays at its default (32 MiB: one full 16 MiB KV frame at a time), so
+    # lanes overlap consecutive bodies (the next one sealed and sent on another lane while
+    # the last drains and is read) rather than carry several at once: with room for a frame
+    # per lane, 8k-token handoffs got slower here (the decode node's receive is the limit).
+    return LinkConfig(bulk_threshold_bytes=KV_BULK_THRESHOLD_BYTES,
+                      bulk_lanes=default_bulk_lanes())
 
 
 def node_settings(config: ServerConfig) -> NodeSettings:
