@@ -12,11 +12,12 @@ agreement, see ``loadtests/bench_kv_agreement.py``):
 * the first ``exact_tokens`` tokens of every head travel unquantized (the
   attention sink; see ``groups``);
 * int8 first rotates the other rows (keys and values) with an orthonormal
-  Walsh–Hadamard transform in blocks of up to 16 values (``rotation``; decoders
-  take blocks up to 64, what encoders sent before), and quantizes the rotated
-  rows as above; decode rotates back. Keys whose rotated error would exceed the
-  codec's bound (one element far louder than its token run), and rows too close
-  to the dtype's largest value, go unrotated (``rotation_bound``).
+  Walsh–Hadamard transform in blocks of up to 16 values for keys and 64 for
+  values (``rotation``; decoders take blocks up to 64, what encoders sent for
+  keys before), and quantizes the rotated rows as above; decode rotates back.
+  Keys whose rotated error would exceed the codec's bound (one element far
+  louder than its token run), and rows too close to the dtype's largest value,
+  go unrotated (``rotation_bound``).
 
 On SmolLM2 (fp32 cache, 20 chat prompts, teacher-forced) KIVI grouping cut the
 mean change of the top-1/top-2 logit gap from 0.031 to 0.011 for int8 (casting
@@ -25,11 +26,14 @@ int8 rows cut it further at the same size: 0.0113 -> 0.0086 on the benchmark's
 10 prompts, 0.0120 -> 0.0095 on 30 (bfloat16: 0.0078). Rotation makes the
 worst case of a single element looser (``profile.relative_error``: up to
 block / 2 steps), the typical error smaller. int4 did not gain greedy
-agreement from it (teacher-forced) and stays unrotated. Blocks of 16 instead of
-64 (a third of the rotation's CPU time) changed nothing measurable: teacher-forced
-on bfloat16 caches, 20 prompts x 32 tokens, the gap moved 0.0108 (16), 0.0111
-(32), 0.0111 (64), 0.0125 unrotated, 0.0075 for the cast to bfloat16 alone, one
-argmax flip each; reconstruction error within 1% of 64's on real caches.
+agreement from it (teacher-forced) and stays unrotated. Blocks of 16 cost a
+third of 64's rotation CPU. For keys they cost no agreement; for values they did:
+on bench_kv_agreement's 10 prompts (fp32 caches) blocks of 16 for both agreed
+74.7-82.6% (6-7 of 10 runs identical, two runs), keys 64 / values 16 92.0% (8),
+64 for both and keys 16 / values 64 100% (10 of 10);
+teacher-forced on those caches the gap moved 0.0097 (16), 0.0084 (64), p99 0.050
+against 0.036 (on bfloat16 caches, 20 prompts: 0.0108 against 0.0111, the cast to
+bfloat16 alone 0.0075).
 
 Without a layout (``encode(array, dtype)``) the codec cannot tell K from V or
 heads apart: it quantizes as it does values, with no exact rows.
@@ -101,7 +105,7 @@ from mlxcel_plugin.kv_codecs.quant_format import (
     widen_scales,
 )
 from mlxcel_plugin.kv_codecs.rotation import (
-    ENCODE_BLOCK,
+    ENCODE_BLOCKS,
     MAX_BLOCK,
     is_rotation_block,
     rotate,
@@ -124,7 +128,7 @@ class GroupQuantCodec:
         token_group: int = 128,
         exact_tokens: int = 1,
         rotate: bool | None = None,
-        rotation_cap: int = ENCODE_BLOCK,
+        rotation_cap: int | None = None,
     ):
         if bits not in (4, 8):
             raise CodecError(f"bits must be 4 or 8, got {bits}")
@@ -138,9 +142,10 @@ class GroupQuantCodec:
         self.asymmetric_values = bits == 4
         # int8 rotates K/V rows (measured on SmolLM2); int4, measured the same way, does not gain.
         self.rotate = bits == 8 if rotate is None else rotate
-        if not is_rotation_block(rotation_cap, rotation_cap):
+        if rotation_cap is not None and not is_rotation_block(rotation_cap, rotation_cap):
             raise CodecError(f"rotation_cap must be a power of two 2..{MAX_BLOCK}")
-        self.rotation_cap = rotation_cap  # the largest Hadamard block rows rotate in
+        # The largest Hadamard block rows rotate in; None: each tensor's ENCODE_BLOCKS.
+        self.rotation_cap = rotation_cap
         # Worst case of a rotated element: half a step in each of the block's values. Stated
         # for the largest block a decoder accepts (encoders before this one rotated in 64).
         self.rotated_error = MAX_BLOCK * (1 + 2.0**-7) / (2 * self.qmax) if self.rotate else 0.0
@@ -170,7 +175,8 @@ class GroupQuantCodec:
             group = effective_group(head_dim, self.group_size)
             return ChunkFormat(group, False, self.asymmetric_values, None)
         span = TokenSpan(layout.tokens, layout.first_token, min(self.exact_tokens, layout.tokens))
-        rotation = rotation_block(head_dim, self.rotation_cap) if self.rotate else 0
+        cap = self.rotation_cap or ENCODE_BLOCKS.get(layout.tensor, ENCODE_BLOCKS["v"])
+        rotation = rotation_block(head_dim, cap) if self.rotate else 0
         if layout.tensor == "k":
             return ChunkFormat(self.token_group, True, True, span, rotation)
         group = effective_group(head_dim, self.group_size)

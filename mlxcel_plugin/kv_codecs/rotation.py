@@ -7,19 +7,19 @@ close to Gaussian, a row's (or a rotated channel's) extremes shrink relative to
 its spread, and so does the quantization step. The error is orthogonal too: the
 decoded rows carry the same squared error as the rotated codes did.
 
-Rows are rotated in blocks of ``rotation_block(head_dim)`` values (a power of
-two, at most ``ENCODE_BLOCK``), so the worst case of one element's error stays
-bounded: at most ``block / 2`` steps of its block's scale (see ``quant``).
-Decoders take any block up to ``MAX_BLOCK``: encoders before ``ENCODE_BLOCK``
-was 16 sent 64.
+Rows are rotated in blocks of ``rotation_block(head_dim, cap)`` values (a power
+of two, at most the tensor's ``ENCODE_BLOCKS`` cap), so the worst case of one
+element's error stays bounded: at most ``block / 2`` steps of its block's scale
+(see ``quant``). Decoders take any block up to ``MAX_BLOCK``: encoders before
+keys' cap was 16 sent keys in 64 too.
 
-Why 16, and a matrix product: measured on one x86 core (NumPy's OpenBLAS, one
-thread, as nodes run it), rotating float32 rows costs ~1.3-1.8 ns per value in
-blocks of 64, ~0.8-0.9 in blocks of 32 and ~0.5 in blocks of 16 (the product's
-work grows with the block; BLAS stays efficient down to 16, not below: 8 costs
-~0.9). A butterfly (fast Walsh-Hadamard) transform in NumPy passes costs ~14 ns
-per value: its short strided passes are all overhead. Blocks of 16 cost no
-measurable quality on SmolLM2 (see ``quant``).
+Why keys in 16, values in 64, and a matrix product: measured on one x86 core
+(NumPy's OpenBLAS, one thread, as nodes run it), rotating float32 rows costs
+~1.3-1.8 ns per value in blocks of 64, ~0.8-0.9 in blocks of 32 and ~0.5 in
+blocks of 16 (the product's work grows with the block; BLAS stays efficient down
+to 16, not below: 8 costs ~0.9). A butterfly (fast Walsh-Hadamard) transform in
+NumPy passes costs ~14 ns per value: its short strided passes are all overhead.
+Values in blocks of 16 cost quality on SmolLM2, keys did not (see ``quant``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from functools import lru_cache
 import numpy as np
 
 MAX_BLOCK = 64  # the largest block a decoder accepts
-ENCODE_BLOCK = 16  # the largest block this encoder rotates in
+# The largest block this encoder rotates each tensor's rows in (K, V).
+ENCODE_BLOCKS = {"k": 16, "v": 64}
+ENCODE_BLOCK = ENCODE_BLOCKS["k"]  # the smallest of them
 
 
 @lru_cache(maxsize=8)

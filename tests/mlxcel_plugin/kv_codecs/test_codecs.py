@@ -21,6 +21,7 @@ from mlxcel_plugin.kv_codecs import (
 from mlxcel_plugin.kv_codecs.quant import round_down
 from mlxcel_plugin.kv_codecs.rotation import (
     ENCODE_BLOCK,
+    ENCODE_BLOCKS,
     MAX_BLOCK,
     hadamard,
     rotate,
@@ -465,7 +466,7 @@ def test_int8_rotates_rows_when_it_knows_the_layout(bits, rotated, tensor):
     array = heads(rows=32)
     layout = ChunkLayout(tensor, 32, 0) if tensor else None
     _, meta = GroupQuantCodec(bits).encode(array, "float32", layout)
-    assert meta.get("h") == (ENCODE_BLOCK if rotated and tensor else None)
+    assert meta.get("h") == (ENCODE_BLOCKS[tensor] if rotated and tensor else None)
 
 
 @pytest.mark.parametrize("cap", [ENCODE_BLOCK, MAX_BLOCK])

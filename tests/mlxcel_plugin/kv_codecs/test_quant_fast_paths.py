@@ -20,7 +20,7 @@ from mlxcel_plugin.kv_codecs.floats import (
 from mlxcel_plugin.kv_codecs.groups import TokenGroups
 from mlxcel_plugin.kv_codecs.quant_decode import needs_clip
 from mlxcel_plugin.kv_codecs.quant_encode import group_extremes, group_ranges, quantize
-from mlxcel_plugin.kv_codecs.rotation import ENCODE_BLOCK, hadamard, rotate
+from mlxcel_plugin.kv_codecs.rotation import ENCODE_BLOCK, ENCODE_BLOCKS, hadamard, rotate
 from mlxcel_plugin.kv_codecs.rotation_bound import exact_check, surely_within
 
 GOLDEN = Path(__file__).with_name("int8_h64_golden.json")
@@ -71,11 +71,11 @@ def test_an_old_encoders_body_rotated_in_blocks_of_64_still_decodes():
         assert np.all(np.abs(got - want) <= codec.profile.relative_error * extent(want))
 
 
-def test_new_encoders_rotate_in_blocks_of_16_which_any_decoder_accepts():
+def test_new_encoders_rotate_keys_in_16_and_values_in_64_which_any_decoder_accepts():
     array = from_float32(keys_like_a_model(64, seed=2, outliers=False), "bfloat16")
-    for tensor in ("k", "v"):
+    for tensor, block in (("k", 16), ("v", 64)):
         _, meta = GroupQuantCodec(8).encode(array, "bfloat16", ChunkLayout(tensor, 64, 0))
-        assert meta["h"] == ENCODE_BLOCK == 16
+        assert meta["h"] == ENCODE_BLOCKS[tensor] == block
 
 
 @pytest.mark.parametrize("seed", range(12))
