@@ -206,7 +206,8 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
 
 
 def _speculative(body: dict[str, Any]) -> str | None:
-    """Extra field ``speculative``: "ngram" or "off" (docs/speculative.md); None: the node's."""
+    """Extra field ``speculative``: "ngram", "draft" or "off" (docs/speculative.md); None: the
+    node's."""
     value = _optional_str(body, "speculative")
     if value is not None and value not in SPECULATIVE_METHODS:
         raise _bad("speculative", f"must be one of {', '.join(SPECULATIVE_METHODS)}, "
