@@ -1,34 +1,39 @@
 """SmolLM2-135M as its own draft, and with prompt lookup: greedy replies equal plain greedy
-decoding on a tool-call turn and a chat question (short prompts: a code edit's 1k-token
-prefill is the bench's; the flip rate ``loadtests/bench_speculative.py`` measured over 32
-prompts, code edits included, is in docs/speculative.md)."""
+decoding on a chat question. One short prompt: in process (no OpenBLAS preload) SmolLM2
+prefills ~10 tokens/s here, so the longer prompts and the flip rate over 32 prompts, code
+edits and tool calls included, are ``loadtests/bench_speculative.py``'s (docs/speculative.md)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engines.mlx_engine import MlxEngine
-from loadtests.speculative_workloads import chat_prompts, tool_call_prompts
-from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, SamplingParams
+from loadtests.speculative_workloads import chat_prompts
+from mlxcel_plugin.engine_api import (
+    EngineConfig,
+    GenerationRequest,
+    PrefixCacheConfig,
+    SamplingParams,
+)
 from mlxcel_plugin.speculative.settings import SpeculativeConfig
 from tests.engines import support
 
 MAX_TOKENS = 16
-REPLY_TIMEOUT_S = 600  # SmolLM2 on a loaded CPU: a 1k-token prefill alone may take a minute
-pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(1800)]
+REPLY_TIMEOUT_S = 300  # SmolLM2 on a loaded CPU
+pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_model_path):
+def engine(smollm2_model_path):
+    """One engine: plain replies are asked per request (``speculative: "off"``), so one model
+    and one draft load; no prefix cache, so no start-up reuse probe (not what is tested)."""
     path = str(smollm2_model_path)
-    plain = MlxEngine.from_path(path, EngineConfig())
-    config = SpeculativeConfig(method="ngram", draft_model=path)  # "draft" per request
-    spec = MlxEngine.from_path(path, EngineConfig(speculative=config))
-    plain.start()
-    spec.start()
-    yield plain, spec
-    plain.close()
-    spec.close()
+    config = EngineConfig(speculative=SpeculativeConfig(method="ngram", draft_model=path),
+                          prefix_cache=PrefixCacheConfig(max_bytes=0, granularity="chunk"))
+    engine = MlxEngine.from_path(path, config)
+    engine.start()
+    yield engine
+    engine.close()
 
 
 def generate(engine: MlxEngine, request: GenerationRequest) -> list[int]:
@@ -38,15 +43,16 @@ def generate(engine: MlxEngine, request: GenerationRequest) -> list[int]:
     return events.tokens
 
 
-def test_own_draft_and_prompt_lookup_equal_plain_greedy(engines, smollm2_model_path):
-    plain, spec = engines
+def test_own_draft_and_prompt_lookup_equal_plain_greedy(engine, smollm2_model_path):
     path = str(smollm2_model_path)
-    prompts = [tool_call_prompts(path, 1)[0], chat_prompts(path, 1)[0]]
+    prompts = [chat_prompts(path, 1)[0]]
     for i, prompt in enumerate(prompts):
-        want = generate(plain, GenerationRequest(f"p{i}", prompt, MAX_TOKENS))
-        for method in ("draft", "ngram"):
+        replies = {}
+        for method in ("off", "draft", "ngram"):
             request = GenerationRequest(f"{method}{i}", prompt, MAX_TOKENS,
                                         sampling=SamplingParams(speculative=method))
-            assert generate(spec, request) == want, (i, method)
-    draft = spec.stats().speculative.methods["draft"]
-    assert draft.accepted >= 0.8 * draft.proposed  # its own draft: nearly every proposal
+            replies[method] = generate(engine, request)
+        assert replies["draft"] == replies["off"], i
+        assert replies["ngram"] == replies["off"], i
+    draft = engine.stats().speculative.methods["draft"]
+    assert draft.accepted >= 0.8 * draft.proposed > 0  # its own draft: nearly every proposal
