@@ -18,7 +18,11 @@ from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.speculative.settings import MethodCounts, SpeculativeConfig
 from tests.engines import support
 from tests.engines.speculative.drafts import noisy_copy, swapped_tokenizer_copy
-from tests.engines.speculative.test_engine_speculation import concurrently, repetitive_prompt
+from tests.engines.speculative.test_engine_speculation import (
+    concurrently,
+    engine_pair,
+    repetitive_prompt,
+)
 
 MAX_TOKENS = 40
 
@@ -30,15 +34,9 @@ def draft_path(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_path, draft_path):
-    plain = MlxEngine.from_path(str(tiny_model_path), EngineConfig())
     # Not adaptive: every step drafts, whatever the batch (the rule is tested on its own).
     config = SpeculativeConfig(method="draft", draft_model=str(draft_path), adaptive=False)
-    spec = MlxEngine.from_path(str(tiny_model_path), EngineConfig(speculative=config))
-    plain.start()
-    spec.start()
-    yield plain, spec
-    plain.close()
-    spec.close()
+    yield from engine_pair(tiny_model_path, config)
 
 
 def request(name: str, prompt_seed: int, **sampling) -> GenerationRequest:

@@ -3,6 +3,8 @@ speculation (and with sampling and logprobs) get what a plain engine gives each 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -17,17 +19,21 @@ MAX_TOKENS = 64
 SEEDS = (18, 24, 27, 22, 14)
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_path):
-    plain = MlxEngine.from_path(str(tiny_model_path), EngineConfig())
-    # Not adaptive: a mixed batch of 5 would mostly verify nothing (group_rule.py).
-    config = SpeculativeConfig(method="ngram", adaptive=False)
-    spec = MlxEngine.from_path(str(tiny_model_path), EngineConfig(speculative=config))
+def engine_pair(model_path, config: SpeculativeConfig) -> Iterator[tuple[MlxEngine, MlxEngine]]:
+    """A plain engine and a speculating one on the same checkpoint, started, then closed."""
+    plain = MlxEngine.from_path(str(model_path), EngineConfig())
+    spec = MlxEngine.from_path(str(model_path), EngineConfig(speculative=config))
     plain.start()
     spec.start()
     yield plain, spec
     plain.close()
     spec.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path):
+    # Not adaptive: a mixed batch of 5 would mostly verify nothing (group_rule.py).
+    yield from engine_pair(tiny_model_path, SpeculativeConfig(method="ngram", adaptive=False))
 
 
 def repetitive_prompt(seed: int) -> tuple[int, ...]:
