@@ -48,6 +48,11 @@ def _model_of(raw: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def model_cards(bodies: list[bytes]) -> list[dict[str, Any]]:
+    """Every model card of several ``/v1/models`` answers, in order."""
+    return [card for body in bodies for card in json.loads(body)["data"]]
+
+
 def _replay(raw: bytes, receive: Receive) -> Receive:
     """The body once, then the client's own messages (its disconnect)."""
     sent = False
@@ -148,8 +153,7 @@ class ModelDispatcher:
         await response(scope, _no_receive, send)
 
     def _merge_models(self, bodies: list[bytes]) -> Response:
-        cards = [card for body in bodies for card in json.loads(body)["data"]]
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": model_cards(bodies)})
 
     def _merge_metrics(self, bodies: list[bytes]) -> Response:
         text, content_type = merge_expositions(dict(zip(self.apps, bodies, strict=True)))

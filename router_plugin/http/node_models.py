@@ -11,7 +11,6 @@ bound would break. ``/v1/models`` lists every configured model with
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -32,7 +31,7 @@ from mlxcel_plugin.speculative.metrics import register_speculative
 from mlxcel_plugin.text import TextTokenizer
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.front import make_app
-from router_plugin.http.model_dispatch import ModelDispatcher
+from router_plugin.http.model_dispatch import ModelDispatcher, model_cards
 from router_plugin.http.options import FrontOptions
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class NodeModelsDispatcher(ModelDispatcher):
 
     def _merge_models(self, bodies: list[bytes]) -> Response:
         status = self.models.status()
-        cards = [card for body in bodies for card in json.loads(body)["data"]]
+        cards = model_cards(bodies)
         for card in cards:
             card["loaded"] = status.get(card["id"], False)
         return JSONResponse({"object": "list", "data": cards})
