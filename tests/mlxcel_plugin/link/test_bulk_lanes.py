@@ -212,8 +212,12 @@ def test_a_lane_dropped_mid_body_fails_the_link_with_a_named_error(side):
         def drop_a_lane(index):  # on the receiving lane thread, once a part is in
             if index:
                 return
-            link = served[0] if side == "receiver" else client_link[0]
-            link._bulk.channels[1]._sock.shutdown(socket.SHUT_RDWR)
+            # The receiver's own lane: shut for reading only, so it (not the sender, whose
+            # writes would else be reset) is the first to see the cut and names it.
+            if side == "receiver":
+                served[0]._bulk.channels[1]._sock.shutdown(socket.SHUT_RD)
+            else:
+                client_link[0]._bulk.channels[1]._sock.shutdown(socket.SHUT_RDWR)
 
         async def on_link(link):
             served.append(link)
