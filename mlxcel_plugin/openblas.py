@@ -3,18 +3,16 @@
 MLX's CPU wheel links a slow reference BLAS; the only way to swap it is to
 preload OpenBLAS before the process starts, so the CLI re-executes itself.
 
-The OpenBLAS environment an operator gives (``OPENBLAS_CORETYPE``,
-``OPENBLAS_L2_SIZE``) is kept as it is: machines pin them because older
-OpenBLAS builds compute wrong results or crash on their processors without
-them. Only where neither is set does the node choose a core type itself, and
-on a CPU with AVX-512 it asks for OpenBLAS's SkylakeX kernels: OpenBLAS 0.3.21
-runs AMD Zen 4 on its Haswell kernels, whose float rounding for one row of a
-matrix product depends on how many rows are computed with it, while the
-SkylakeX kernels give every row of a product of 32+ rows the same bits. That
-is what lets the prefix cache reuse any prefilled token exactly
-(engines/prefix/reuse_probe.py, docs/prefix-cache.md). ``MLXCEL_OPENBLAS_CORETYPE``
-asks explicitly: ``auto`` (that choice even over a pin), ``keep`` (never
-choose), or a core type's name.
+The OpenBLAS environment is the operator's (``OPENBLAS_CORETYPE``,
+``OPENBLAS_L2_SIZE``): machines pin them because older OpenBLAS builds
+compute wrong results or crash on their processors without them, so by
+default a node neither sets, unsets nor overrides either; the re-exec only
+adds the preload. ``MLXCEL_OPENBLAS_CORETYPE`` is the explicit opt-in to a
+choice of the node's own: ``auto`` asks, on a CPU with AVX-512, for
+OpenBLAS's SkylakeX kernels, which give every row of a product of 32+ rows
+the same bits (what lets the prefix cache reuse any prefilled token exactly:
+engines/prefix/reuse_probe.py, docs/prefix-cache.md); a core type's name
+asks for that one; ``keep`` (the default) never chooses.
 
 NumPy brings its own OpenBLAS, which the KV codecs use (int8's Hadamard
 rotation is a matmul of 64-value blocks). Its worker threads spin on
@@ -41,7 +39,7 @@ CANDIDATE_GLOBS = (
 DISABLE_VAR = "MLXCEL_NO_OPENBLAS"
 CORETYPE_VAR = "OPENBLAS_CORETYPE"
 L2_SIZE_VAR = "OPENBLAS_L2_SIZE"
-# Unset: the environment's pin if any, else auto; or auto, keep, or a core type's name.
+# Unset or keep: the environment as given; auto, or a core type's name: the opt-in choice.
 CORETYPE_CHOICE_VAR = "MLXCEL_OPENBLAS_CORETYPE"
 # What OpenBLAS's SkylakeX kernels execute (its own check for that core type).
 AVX512_FLAGS = ("avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl")
@@ -81,17 +79,12 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
 def _why(env: Mapping[str, str], choice: str, coretype: str | None) -> str:
     if env.get(CORETYPE_CHOICE_VAR):
         return f"{CORETYPE_CHOICE_VAR}={choice}"
-    if choice == "keep":
-        return "as the environment pins it"
-    return "chosen: AVX-512" if coretype else "OpenBLAS detects it"
+    return "as the environment pins it" if env.get(CORETYPE_VAR) else "OpenBLAS detects it"
 
 
 def coretype_choice(env: Mapping[str, str]) -> str:
-    """The explicit choice, else ``keep`` where the operator pinned OpenBLAS, else ``auto``."""
-    explicit = env.get(CORETYPE_CHOICE_VAR, "")
-    if explicit:
-        return explicit
-    return "keep" if env.get(CORETYPE_VAR) or env.get(L2_SIZE_VAR) else "auto"
+    """The explicit choice (``MLXCEL_OPENBLAS_CORETYPE``), else ``keep``: the environment's."""
+    return env.get(CORETYPE_CHOICE_VAR, "") or "keep"
 
 
 def chosen_coretype(choice: str, cpu_flags: set[str]) -> str | None:

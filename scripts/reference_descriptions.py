@@ -25,8 +25,9 @@ ENV_DESCRIPTIONS = {
     "(default `~/.cache/mlxcel`)",
     "MLXCEL_NO_OPENBLAS": "`1`: engine nodes on Linux do not preload OpenBLAS for MLX "
     "([BLAS](blas.md))",
-    "MLXCEL_OPENBLAS_CORETYPE": "how engine nodes choose OpenBLAS's core type "
-    "([BLAS](blas.md): what each value means for the prefix cache and for correctness)",
+    "MLXCEL_OPENBLAS_CORETYPE": "opt-in: `auto` or a core type's name makes engine nodes set "
+    "OpenBLAS's core type; unset or `keep` (default): `OPENBLAS_*` as the environment has "
+    "them ([BLAS](blas.md): what each value means for the prefix cache and for correctness)",
     "MLXCEL_PROBE_CACHE_DIR": "where engine nodes keep the prefix-reuse probe's answers "
     "(default `$MLXCEL_CACHE_DIR/reuse-probe`, else `$XDG_CACHE_HOME/mlxcel/reuse-probe`, "
     "`~/.cache` when unset); a second start of the same node skips the probe "

@@ -1,5 +1,5 @@
-"""The OpenBLAS re-exec environment (preload; the environment's pinned core type kept, else
-SkylakeX kernels where AVX-512 runs them), and NumPy's own BLAS capped at one thread beside it.
+"""The OpenBLAS re-exec environment (the preload only: OPENBLAS_* as the environment has them,
+unless MLXCEL_OPENBLAS_CORETYPE opts in to a choice), and NumPy's own BLAS capped at one thread.
 The nodes' own processes: tests/integration/test_blas_pin.py."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ def with_library(monkeypatch):
     monkeypatch.setattr(openblas, "find_openblas", lambda: "/usr/lib/libopenblas.so.0")
 
 
-def test_avx512_machines_get_the_skylakex_kernels(with_library, monkeypatch):
+def test_by_default_only_the_preload_is_added(with_library, monkeypatch):
     monkeypatch.setattr(openblas, "read_cpu_flags", lambda: AVX512)
-    env = openblas.preload_env({})
-    assert env["LD_PRELOAD"] == "/usr/lib/libopenblas.so.0"
-    assert env["OPENBLAS_CORETYPE"] == "SkylakeX"
+    assert openblas.preload_env({}) == {"LD_PRELOAD": "/usr/lib/libopenblas.so.0"}
+    opted_in = openblas.preload_env({"MLXCEL_OPENBLAS_CORETYPE": "auto"})
+    assert opted_in["OPENBLAS_CORETYPE"] == "SkylakeX"  # AVX-512: SkylakeX, when asked
 
 
 def test_an_environment_that_pins_openblas_keeps_its_pin(with_library, monkeypatch):
@@ -36,8 +36,7 @@ def test_an_environment_that_pins_openblas_keeps_its_pin(with_library, monkeypat
                 {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576"}):
         assert openblas.preload_env({**preloaded, **pin}) is None  # nothing to change
         assert openblas.preload_env(pin) == {**preloaded, **pin}  # preloaded, pins as given
-    assert openblas.preload_env({**preloaded, "OPENBLAS_CORETYPE": ""})["OPENBLAS_CORETYPE"] \
-        == "SkylakeX"  # set but empty pins nothing (OpenBLAS reads it as unset)
+    assert openblas.preload_env({**preloaded, "OPENBLAS_CORETYPE": ""}) is None  # kept empty
 
 
 def test_an_explicit_choice_replaces_the_pin(with_library, monkeypatch):
@@ -59,7 +58,7 @@ def test_an_explicit_choice_replaces_the_pin(with_library, monkeypatch):
 
 def test_machines_without_avx512_keep_their_kernels(with_library, monkeypatch):
     monkeypatch.setattr(openblas, "read_cpu_flags", lambda: {"sse2", "avx2", "avx512f"})
-    assert "OPENBLAS_CORETYPE" not in openblas.preload_env({})
+    assert "OPENBLAS_CORETYPE" not in openblas.preload_env({"MLXCEL_OPENBLAS_CORETYPE": "auto"})
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
