@@ -108,6 +108,7 @@ class PeerLink:
         self.redial = Redial(backoff, f"router link to {node_id}", clock=clock)
         self.last_heard_s = clock()
         self.on_change = on_change  # load or health changed: the admission queue may move
+        self.on_connect: Callable[[PeerLink], None] = lambda peer: None  # (re)connected
         self.link: Link | None = None
         self._routes: dict[str, Sink] = {}
         self._wake = asyncio.Event()
@@ -217,6 +218,7 @@ class PeerLink:
                 logger.info("connected to %s (%s %s)", self.node_id, link.peer_role,
                             link.peer_node_id)
             self.on_change()
+            self.on_connect(self)
             error = await self._read(link)
             delay_s = self.redial.lost()
             self._lost(link, error)
@@ -353,6 +355,13 @@ class PeerLinks:
                               backoff=backoff, clock=clock, on_change=on_change)
             for node_id in pool.ids()
         }
+        self._on_connect: Callable[[PeerLink], None] | None = None
+
+    def set_on_connect(self, on_connect: Callable[[PeerLink], None]) -> None:
+        """Who hears that a peer, present or joining later, has (re)connected (its adapters)."""
+        self._on_connect = on_connect
+        for peer in self.peers.values():
+            peer.on_connect = on_connect
 
     def set_on_change(self, on_change: Callable[[], None]) -> None:
         """Who hears that load or health changed (the backend's admission queue)."""
@@ -375,6 +384,8 @@ class PeerLinks:
     def add(self, peer: PeerLink) -> None:
         """A peer that joined at runtime (discovery): keep it and start dialing it."""
         self.peers[peer.node_id] = peer
+        if self._on_connect is not None:
+            peer.on_connect = self._on_connect
         peer.start()
 
     async def remove(self, node_id: str) -> None:
