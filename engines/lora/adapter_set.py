@@ -37,15 +37,21 @@ class AdapterSet:
         self._touched: dict[str, tuple[str, ...]] = {}  # adapter name -> its module paths
 
     def load(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Load (or replace) the adapter ``name``; ConfigError when it does not fit the model."""
+        """Load (or replace) the adapter ``name``; ConfigError when it does not fit the model.
+
+        The same files again under the same name change nothing (nor running requests).
+        """
         files = read_adapter(path)
         modules = dict(self.model.named_modules())
         missing = sorted(p for p in files.layers if p not in modules and p not in self._layers)
         if missing:
             raise ConfigError(f"adapter {path}: the model has no layer {missing[0]}")
-        if name in self.loaded:
-            self.unload(name)
+        held = self.loaded.get(name)
         self.retiring.discard(name)
+        if held is not None and held.digest == files.digest:
+            return held  # the same files again (a router catching a node up): nothing to redo
+        if held is not None:
+            self.unload(name)
         slot = self._free_slot()
         try:
             self._put(files, slot, modules)

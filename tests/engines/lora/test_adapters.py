@@ -100,3 +100,15 @@ def test_bad_adapters_are_refused_by_name(tmp_path: Path, adapters) -> None:
         read_adapter(tmp_path / "nowhere")
     assert read_adapter(adapters[0]).digest == read_adapter(adapters[0]).digest
     assert read_adapter(adapters[0]).digest != read_adapter(adapters[1]).digest
+
+
+def test_loading_the_same_files_again_keeps_the_slot_and_revives_a_retiring_one(
+        tiny_model_path, adapters) -> None:  # fmt: skip
+    model, _ = load(str(tiny_model_path))
+    served = AdapterSet(model)
+    first = served.load("a0", adapters[0])
+    served.retire("a0")  # unloaded by name while a request still runs on it
+    assert served.load("a0", adapters[0]) is first and "a0" not in served.retiring
+    replaced = served.load("a0", adapters[1])  # other files: replaced
+    assert replaced.digest != first.digest
+    assert served.load("a1", adapters[1]).slot != replaced.slot
