@@ -7,7 +7,11 @@ driven with the ``openai`` SDK and plain HTTP, against a hybrid node with the sa
 * a second adapter request with the same prompt reuses the adapter's prefix (cached tokens)
   and gives the same text; a base request with that prompt reuses nothing of it;
 * load/unload through the router while base and adapter requests run: none fails, the
-  loaded adapter serves the hybrid's text, and after the unload it is 404.
+  loaded adapter serves the hybrid's text, and after the unload it is 404;
+* a decode node added through the peers file after a run-time load is given that adapter by
+  the router and then serves it; while it joins, base and adapter requests run: none fails.
+
+The router finds its nodes in a peers file (re-read every 0.5 s).
 """
 
 from __future__ import annotations
@@ -23,12 +27,20 @@ import pytest
 
 from mlxcel_plugin.link import generate_secret_file
 from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node
+from mlxcel_plugin.testing.membership_harness import (
+    node_entry,
+    router_stats,
+    wait_until,
+    write_peers_file,
+)
 
 STARTUP_TIMEOUT_S = 300
 BASE = "tiny"
 SHORT = "Write a short story about a fox."
 LONG = " ".join(f"Item {i}: the fox ran past tree {i * 7} near the river." for i in range(40))
 MAX_LOAD_REQUESTS = 24  # the load loop's bound (count), besides its deadline
+LOAD_DEADLINE_S = 120
+JOIN_TIMEOUT_S = 60
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -41,15 +53,29 @@ def write_adapters(tiny: Path, root: Path, seeds: range) -> dict[str, Path]:
     return {f"a{s}": write_random_adapter(model, root / f"a{s}", seed=s) for s in seeds}
 
 
-def node(role: str, workdir: Path, args: list[str], name: str) -> NodeProcess:
+def node(role: str, workdir: Path, args: list[str], name: str,
+         env: dict[str, str] | None = None) -> NodeProcess:  # fmt: skip
     bind = f"{LOOPBACK}:{free_port()}" if role in ("prefill", "decode") else None
-    return start_node(role, workdir, args, serving_bind=bind, name=name)
+    return start_node(role, workdir, args, serving_bind=bind, name=name, env=env)
+
+
+def write_peers(root: Path, nodes: dict[str, NodeProcess], *decodes: str) -> None:
+    write_peers_file(root / "peers.toml", [nodes["prefill"].serving_bind],
+                     [nodes[name].serving_bind for name in ("decode-1", "decode-2", *decodes)])
+
+
+def start_router(root: Path, nodes: dict[str, NodeProcess], args: list[str]) -> NodeProcess:
+    write_peers(root, nodes)
+    (root / "router.toml").write_text("[discovery]\ninterval_s = 0.5\n")
+    return node("router", root, [*args, "--peers-file", str(root / "peers.toml"),
+                                 "--distributed-config", str(root / "router.toml")],
+                "router", env={"MLXCEL_ROUTER_STATS_VERBOSE": "1"})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path: Path, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters-cluster")
-    adapters = write_adapters(tiny_model_path, root, range(3))
+    adapters = write_adapters(tiny_model_path, root, range(4))
     secret = root / "cluster.secret"
     generate_secret_file(secret)
     base = ["--model", str(tiny_model_path), "--served-model-name", BASE, "--no-warmup"]
@@ -63,16 +89,13 @@ def cluster(tiny_model_path: Path, tmp_path_factory):
                  "decode-2": node("decode", root, [*linked, both[0], "--enable-lora"],
                                   "decode-2")}  # fmt: skip
         started += nodes.values()
-        decodes = ",".join(nodes[d].serving_bind for d in ("decode-1", "decode-2"))
-        nodes["router"] = node("router", root, [
-            *base[:4], "--cluster-secret-file", str(secret),
-            "--prefill-peers", nodes["prefill"].serving_bind, "--decode-peers", decodes],
-            "router")  # fmt: skip
+        nodes["router"] = start_router(root, nodes, [*base[:4], "--cluster-secret-file",
+                                                     str(secret)])  # fmt: skip
         started.append(nodes["router"])
         for process in started:
             process.wait_healthy(STARTUP_TIMEOUT_S)
         wait_for_models(nodes["router"].url, {BASE, "a0", "a1"})
-        yield nodes, adapters
+        yield nodes, adapters, (root, linked)
     finally:
         for process in started:
             process.stop()
@@ -103,7 +126,7 @@ def handoffs_received(process: NodeProcess) -> float:
 
 
 def test_each_adapter_gives_the_hybrid_text_through_the_cluster(cluster) -> None:
-    nodes, _ = cluster
+    nodes, _, _ = cluster
     router, hybrid = nodes["router"].url, nodes["hybrid"].url
     texts = {model: chat(router, model)[0] for model in (BASE, "a0", "a1")}
     assert texts == {model: chat(hybrid, model)[0] for model in texts}
@@ -113,7 +136,7 @@ def test_each_adapter_gives_the_hybrid_text_through_the_cluster(cluster) -> None
 
 
 def test_a_decode_node_without_the_adapter_never_gets_its_handoffs(cluster) -> None:
-    nodes, _ = cluster
+    nodes, _, _ = cluster
     before = handoffs_received(nodes["decode-2"]), handoffs_received(nodes["decode-1"])
     for i in range(4):
         chat(nodes["router"].url, "a1", f"{SHORT} ({i})")
@@ -125,7 +148,7 @@ def test_a_decode_node_without_the_adapter_never_gets_its_handoffs(cluster) -> N
 
 
 def test_adapter_prefix_reuse_is_keyed_by_adapter(cluster) -> None:
-    nodes, _ = cluster
+    nodes, _, _ = cluster
     router, hybrid = nodes["router"].url, nodes["hybrid"].url
     first, cached_first = chat(router, "a0", LONG)
     second, cached_second = chat(router, "a0", LONG)
@@ -139,26 +162,39 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/{path}", json=body, timeout=120)
 
 
-def test_load_and_unload_through_the_router_under_load(cluster) -> None:
-    nodes, adapters = cluster
-    router, hybrid = nodes["router"].url, nodes["hybrid"].url
-    failures: list[str] = []
-    done = threading.Event()
-    count = [0]
+class Busy:
+    """Sequential chat requests on each model in a thread, bounded in count and time."""
 
-    def keep_busy(model: str) -> None:
-        deadline = time.monotonic() + 120
-        while not done.is_set() and count[0] < MAX_LOAD_REQUESTS and time.monotonic() < deadline:
-            count[0] += 1
+    def __init__(self, url: str, models: tuple[str, ...]):
+        self.url, self.failures, self.count = url, [], 0
+        self.done = threading.Event()
+        self.workers = [threading.Thread(target=self._run, args=(m,)) for m in models]
+
+    def __enter__(self) -> Busy:
+        for worker in self.workers:
+            worker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        for worker in self.workers:
+            worker.join()
+
+    def _run(self, model: str) -> None:
+        deadline = time.monotonic() + LOAD_DEADLINE_S
+        while (not self.done.is_set() and self.count < MAX_LOAD_REQUESTS
+               and time.monotonic() < deadline):  # fmt: skip
+            self.count += 1
             try:
-                chat(router, model, f"{SHORT} {count[0]}")
-            except Exception as exc:  # noqa: BLE001 - every failure is reported below
-                failures.append(f"{model}: {exc!r}")
+                chat(self.url, model, f"{SHORT} {self.count}")
+            except Exception as exc:  # noqa: BLE001 - every failure is reported by the test
+                self.failures.append(f"{model}: {exc!r}")
 
-    workers = [threading.Thread(target=keep_busy, args=(m,)) for m in (BASE, "a0")]
-    for worker in workers:
-        worker.start()
-    try:
+
+def test_load_and_unload_through_the_router_under_load(cluster) -> None:
+    nodes, adapters, _ = cluster
+    router, hybrid = nodes["router"].url, nodes["hybrid"].url
+    with Busy(router, (BASE, "a0")) as busy:
         loaded = post(router, "load_lora_adapter", {"lora_name": "a2",
                                                      "lora_path": str(adapters["a2"])})
         assert loaded.status_code == 200, loaded.text
@@ -170,10 +206,49 @@ def test_load_and_unload_through_the_router_under_load(cluster) -> None:
         assert unloaded.status_code == 200, unloaded.text
         with pytest.raises(openai.NotFoundError):
             chat(router, "a2")
-    finally:
-        done.set()
-        for worker in workers:
-            worker.join()
-    assert not failures and count[0] > 0
+    assert not busy.failures and busy.count > 0
     again = post(router, "unload_lora_adapter", {"lora_name": "a2"})
     assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+
+
+def adapters_held(router: str, address: str) -> dict[str, str]:
+    entry = node_entry(router_stats(router), "decode", address) or {}
+    return entry.get("telemetry", {}).get("adapters", {})
+
+
+def first_handoff_on(router: str, late: NodeProcess, model: str) -> tuple[str, str]:
+    """Requests on ``model`` (bounded) until ``late`` decodes one: (its prompt, its text)."""
+    for i in range(MAX_LOAD_REQUESTS):
+        before, prompt = handoffs_received(late), f"{SHORT} (late {i})"
+        text = chat(router, model, prompt)[0]
+        if handoffs_received(late) > before:
+            return prompt, text
+    raise AssertionError(f"the joined node decoded none of {MAX_LOAD_REQUESTS} {model} requests")
+
+
+def test_a_decode_node_joining_after_a_run_time_load_gets_the_adapter(cluster) -> None:
+    nodes, adapters, (root, linked) = cluster
+    router = nodes["router"].url
+    loaded = post(router, "load_lora_adapter", {"lora_name": "a3",
+                                                 "lora_path": str(adapters["a3"])})
+    assert loaded.status_code == 200, loaded.text
+    nodes["decode-3"] = late = node("decode", root, [*linked, "--enable-lora"], "decode-3")
+    try:
+        late.wait_healthy(STARTUP_TIMEOUT_S)
+        with Busy(router, (BASE, "a3")) as busy:
+            write_peers(root, nodes, "decode-3")  # it joins with no adapter of its own
+            wait_until(lambda: "a3" in adapters_held(router, late.serving_bind), JOIN_TIMEOUT_S)
+        assert not busy.failures and busy.count > 0
+        assert adapters_held(router, late.serving_bind)["a3"] == loaded.json()["digest"]
+        prompt, text = first_handoff_on(router, late, "a3")
+        hybrid = nodes["hybrid"].url
+        assert post(hybrid, "load_lora_adapter", {"lora_name": "a3",
+                                                  "lora_path": str(adapters["a3"])}).is_success
+        assert text == chat(hybrid, "a3", prompt)[0] != chat(hybrid, BASE, prompt)[0]
+    finally:
+        write_peers(root, nodes)
+        wait_until(lambda: node_entry(router_stats(router), "decode", late.serving_bind) is None,
+                   JOIN_TIMEOUT_S)
+        del nodes["decode-3"]
+        late.stop()
+        post(router, "unload_lora_adapter", {"lora_name": "a3"})
