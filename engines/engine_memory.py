@@ -1,11 +1,16 @@
 """The MLX engine's memory: budgets sized from the model, freed heap pages given back when idle.
 
-Why: MLX keeps freed buffers for reuse up to its cache limit, and the engine
-used to raise that limit to the whole KV budget (4 GiB) so that handed-off
-caches landed in warm memory; after a benchmark a decode node serving a 135M
-model sat at 4.3 GB RSS. Now the limit is the receive pool's
-(``pool_bytes_for``: a few handoffs' worth, at most 512 MiB): MLX frees
-anything beyond it at once. What it keeps stays warm while the node serves:
+Why: MLX keeps freed buffers for reuse up to its cache limit. A decode node's
+received K/V land in MLX allocations (``kv_convert.kv_buffers``), and memory
+fresh from the OS costs a page fault per page on first touch (~0.6 s per GiB
+here even with huge pages, against ~0.25 s for the link's own work), so the
+limit is the **receive pool**'s (``[engine] receive_pool_bytes``, auto: at
+most 2 GiB and a quarter of the KV budget: ``pool.receive_pool_bytes_for``):
+a finished handoff's buffers stay faulted in for the next one (sizes on a
+grid: ``received_layer.room_grid``). Never the whole KV budget: after a
+benchmark a decode node holding that much of a 135M model's memory sat at
+4.3 GB RSS. MLX frees anything beyond the limit at once. What it keeps stays
+warm while the node serves:
 once the engine has had nothing to do for ``IDLE_RELEASE_S`` it only asks
 glibc to return freed heap pages (``give_back_to_os``). It used to empty
 MLX's cache too, so a decode node that waited out a long prefill took the
@@ -24,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxcel_plugin.engine_api import EngineConfig
-from mlxcel_plugin.kv_serde.pool import give_back_to_os
+from mlxcel_plugin.kv_serde.pool import give_back_to_os, receive_pool_bytes_for
 from mlxcel_plugin.memory_budget import MemoryBudgets, budgets_for, with_kv_budget
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,9 @@ log = logging.getLogger(__name__)
 # Idle this long (no command, no work) before memory goes back: handoffs arriving
 # back to back keep reusing warm buffers.
 IDLE_RELEASE_S = 5.0
+# MLX's cache limit is one per process and MLX cannot be asked for it: the receive pool
+# bound this process last applied, for /metrics (``receive_pool_bytes``).
+_applied_pool_bytes = [0]
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -46,12 +54,33 @@ class EngineMemory:
         self.budgets: MemoryBudgets = budgets_for(config, model_bytes(model))
         self.model_bytes = self.budgets.model_bytes
         self.config = with_kv_budget(config, self.model_bytes)
+        self.receive_pool_bytes = receive_pool_bytes_for(
+            self.budgets.kv_budget_bytes, self.model_bytes, self.budgets.machine_bytes,
+            config.receive_pool_bytes)
         self.idle = IdleRelease()
+
+    @property
+    def cache_limit_bytes(self) -> int:
+        """MLX's cache of freed buffers: the receive pool, or the general bound if larger."""
+        return max(self.budgets.freed_cache_bytes, self.receive_pool_bytes)
 
     def apply(self) -> None:
         """Bound MLX's freed-buffer cache and say what the node runs with (at startup)."""
-        mx.set_cache_limit(self.budgets.freed_cache_bytes)
-        log.info("memory: %s", self.budgets.describe())
+        mx.set_cache_limit(self.cache_limit_bytes)
+        _applied_pool_bytes[0] = self.receive_pool_bytes
+        log.info("memory: %s; receive pool <= %d MiB (freed MLX buffers kept faulted in "
+                 "for the next handoffs: resident once used)", self.budgets.describe(),
+                 self.receive_pool_bytes >> 20)
+
+
+def warm_bytes() -> int:
+    """Freed MLX buffers held for reuse now (the receive pool's warm pages among them)."""
+    return int(mx.get_cache_memory())
+
+
+def receive_pool_bytes() -> int:
+    """The receive pool's bound in force in this process (0 before an engine applied one)."""
+    return _applied_pool_bytes[0]
 
 
 def release_memory() -> None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engines import cache_layout, kv_room
+from engines import cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import SlabCarver, mlx_room_view, mlx_view
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, RowsReady
@@ -144,6 +144,11 @@ class ReceiveBuffers:
         if self._carver is None:
             self._carver = SlabCarver(mx.new_stream(mx.cpu))
         return kv_buffers(shape, dtype, count, self._carver)
+
+    def pool_bytes(self) -> tuple[int, int]:
+        """(bound, held now) of the freed buffers handoffs land in (the receive pool:
+        docs/bulk-lanes.md#receive-pool)."""
+        return engine_memory.receive_pool_bytes(), engine_memory.warm_bytes()
 
 
 def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLayer:

@@ -24,10 +24,14 @@ end of prefill to the decode node's ack, ``mlxcel:handoff_time_seconds``; a
 streaming strategy from the submit, since its rows leave while prefill fills),
 x link, x bare AES-GCM, CPU-s per GiB of raw KV on each side over that window
 (baselines: their own rusage; nodes: ``/proc/PID/stat`` sampled every 5 ms; the
-decode node's on to its first token), and the time from the ack to the decode
-node's first token (adoption into MLX and that token's step). ITL: ``--itl-streams``
-streams decode on the decode node (short prompts, restarted as they end) while
-``--itl-handoffs`` handoffs of ``--itl-tokens`` arrive (full, none), against quiet
+decode node's on to its first token, less the CPU of its next decode step over the
+same cache, shown as "step CPU s": the model's own attention, not the handoff's), and
+the time from the ack to the decode node's first token (adoption into MLX and that
+token's step). Each config first takes one unmeasured handoff of each size: the
+decode node's receive pool (docs/bulk-lanes.md#receive-pool) takes it into fresh pages, and its
+receiver CPU prints as "recv cold s/GiB"; the measured ones land warm, as in service.
+ITL: ``--itl-streams`` streams decode on the decode node (short prompts, restarted as
+they end) while ``--itl-handoffs`` handoffs of ``--itl-tokens`` arrive (full, none), against quiet
 windows of the same streams in between; gaps ending inside each window count
 (ingest: end of prefill to just before the step that takes the handoff in).
 

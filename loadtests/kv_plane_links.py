@@ -109,9 +109,13 @@ def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
 
 
 async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> list[dict]:
+    """Per config: one handoff of this size first (the decode node's receive pool takes it
+    into fresh pages: its receiver CPU is reported as ``cold``), then the measured ones,
+    which land in warm memory as a node in service does."""
     rows = []
     for config in run.configs:
         try:
+            cold = (await handoffs(nodes, config, tokens, 1, run.rng))[0]
             done = await handoffs(nodes, config, tokens, run.repeats, run.rng)
         except (RuntimeError, TimeoutError) as exc:  # one failed case does not end the run
             print(f"{link} {tokens} {config} failed: {exc}", flush=True)
@@ -124,6 +128,8 @@ async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> 
         row["tt2t_s"] = statistics.median(h.tt2t_s for h in done)
         row["prefill_s"] = statistics.median(h.prefill_s for h in done)
         row["after_ack_s"] = statistics.median(h.after_ack_s for h in done)
+        row["step_cpu_s"] = statistics.median(h.step_cpu_s for h in done)
+        row["cold_cpu_recv_per_gib"] = cold.cpu_s[1] / (cold.kv_bytes / GIB)
         row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
         print({k: v for k, v in row.items()}, flush=True)
         rows.append(row)

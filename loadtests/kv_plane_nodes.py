@@ -125,7 +125,10 @@ class Handoff:
     the decode node's ack (the prefill node's ``mlxcel:handoff_time_seconds``); a streaming
     strategy sends rows while prefill still fills, so for it they run from the submit (the
     zero-compute prefill's fill included). The decode node's CPU runs on to its first token
-    (receiving, adopting into MLX, and that token's decode step).
+    (receiving, adopting into MLX, and that token's decode step), less ``step_cpu_s``: the
+    CPU of its next decode step over the same cache (the model's attention over the KV,
+    which any node pays per token: not the handoff's work; the first step's extra work, such
+    as copying what it adopted, stays counted).
     """
 
     kv_bytes: int  # raw KV handed over (what the decode node gets)
@@ -134,7 +137,8 @@ class Handoff:
     transfer_s: float
     tt2t_s: float  # submit to the decode node's first token
     after_ack_s: float  # the decode node's ack to its first token (adoption, first step)
-    cpu_s: list[float]  # prefill node, decode node
+    cpu_s: list[float]  # prefill node, decode node (its next decode step's CPU taken off)
+    step_cpu_s: float = 0.0  # the decode node's second decode step over the same cache
     choice: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -158,17 +162,20 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
                       tokens: int, rng: random.Random) -> Handoff:
     before = handoff_totals(url)
     start = time.perf_counter()
-    outcome = await driver.generate(request_id, prompt(tokens, rng), 2, timeout_s=TIMEOUT_S)
-    if not outcome.ok or len(outcome.token_times_s) < 2:
+    outcome = await driver.generate(request_id, prompt(tokens, rng), 3, timeout_s=TIMEOUT_S)
+    if not outcome.ok or len(outcome.token_times_s) < 3:
         raise RuntimeError(f"{request_id}: {outcome.finish_reason} {outcome.error}")
     after = handoff_totals(url)
-    prefilled, decoded = outcome.token_times_s[:2]  # the prefill node's token, decode's
+    # The prefill node's token, the decode node's first, and its next (a plain step).
+    prefilled, decoded, stepped = outcome.token_times_s[:3]
     acked = prefilled + after[0] - before[0]
     choice = json.loads(get(f"{url}/health"))["transfer"]["last_choice"]
     begin = prefilled if choice.get("strategy") == "full" else start
-    cpu = [sampler.between(begin, acked)[0], sampler.between(begin, max(decoded, acked))[1]]
+    step_cpu = sampler.between(decoded, stepped)[1]
+    cpu = [sampler.between(begin, acked)[0],
+           sampler.between(begin, max(decoded, acked))[1] - step_cpu]
     return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
-                   acked - begin, decoded - start, decoded - acked, cpu, choice)
+                   acked - begin, decoded - start, decoded - acked, cpu, step_cpu, choice)
 
 
 async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,

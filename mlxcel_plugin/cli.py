@@ -54,6 +54,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--decode-balancer", help="decode pool balancer (a registered name)")
     add("--prefix-cache-bytes", type=int,
         help="prompt KV kept across requests, in bytes (default 1 GiB; 0 disables)")
+    add_kv_plane_flags(parser)
     add("--adapter", dest="adapters", action="append",
         help="serve the LoRA adapter at PATH (mlx-lm format) as model NAME: "
              "NAME=PATH[@BASE] (repeatable)")
@@ -91,6 +92,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
              "before a 503 (default 30)")
     add("--load-on-start", action="store_true",
         help="hybrid, several models: load them at start (as many as fit), not on first use")
+
+
+def add_kv_plane_flags(parser: argparse.ArgumentParser) -> None:
+    """How KV handoffs travel and land (docs/bulk-lanes.md: lanes, receive pool)."""
+    add = parser.add_argument
+    add("--receive-pool-bytes", type=int,
+        help="decode node: freed KV receive buffers kept faulted in for the next handoffs, "
+             "in bytes ([engine] receive_pool_bytes; default auto, at most 2 GiB)")
+    add("--bulk-lanes", type=int,
+        help="parallel encrypted TCP lanes per KV link, 1-16 (default: one per core, up to 4)")
 
 
 def resolve_default_model() -> str:

@@ -20,6 +20,8 @@ from mlxcel_plugin.model_specs import ModelSpec, parse_model_specs, specs_from_t
 from mlxcel_plugin.speculative.settings import METHODS, SpeculativeConfig
 
 ROLES = ("hybrid", "prefill", "decode", "router")
+# link.protocol.handshake's bound (the link imports this module's package: not imported here).
+MAX_BULK_LANES = 16
 # 8 MiB: a 128k-token prompt of ordinary text with room for tool schemas.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -65,6 +67,9 @@ class ServerConfig:
     model_memory_bytes: int = 0  # weights of the loaded models together; 0: half the machine's
     model_wait_s: float = 30.0  # a request for an unloaded model waits this long for an idle one
     load_on_start: bool = False  # False: each model loads on its first request
+    # Bulk lanes a prefill node asks of decode nodes, and the most a node grants (--bulk-lanes,
+    # MLXCEL_BULK_LANES; docs/bulk-lanes.md); 0: one per core, up to 4.
+    bulk_lanes: int = 0
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -98,6 +103,7 @@ ENV_VARS = {
     "MLXCEL_DISTRIBUTED_CONFIG": "distributed_config",
     "MLXCEL_API_KEY": "api_keys",  # comma-separated
     "MLXCEL_MAX_REQUEST_BYTES": "max_request_bytes",
+    "MLXCEL_BULK_LANES": "bulk_lanes",
     "MLX_HOSTFILE": "shard_hostfile",  # as mlx.launch sets them
     "MLX_RANK": "shard_rank",
 }
@@ -108,6 +114,7 @@ ENGINE_SECTION = "engine"
 PREFIX_CACHE_SECTION = "prefix_cache"
 PREFIX_CACHE_BYTES_ENV = "MLXCEL_PREFIX_CACHE_BYTES"
 PREFIX_CACHE_BYTES_FLAG = "prefix_cache_bytes"  # --prefix-cache-bytes
+RECEIVE_POOL_BYTES_FLAG = "receive_pool_bytes"  # --receive-pool-bytes: [engine]'s key
 ADAPTERS_FLAG = "adapters"  # --adapter, repeatable
 MODEL_FLAG = "model"  # --model PATH or NAME=PATH, repeatable
 ENABLE_LORA_FLAG = "enable_lora"  # --enable-lora
@@ -214,6 +221,7 @@ def build_config(
     adapters = tuple(cli_values.pop(ADAPTERS_FLAG, ()))
     enable_lora = cli_values.pop(ENABLE_LORA_FLAG, False)
     model_texts = cli_values.pop(MODEL_FLAG, None)
+    receive_pool_bytes = cli_values.pop(RECEIVE_POOL_BYTES_FLAG, None)
     config = _apply(ServerConfig(), _env_values(env), "env")
     toml_path = cli_values.get("distributed_config") or config.distributed_config
     engine_values: dict[str, Any] = {}
@@ -230,6 +238,8 @@ def build_config(
     if "warmup" in cli_values:
         engine_values["warmup"] = config.warmup
     engine_values.setdefault("warmup", config.warmup)
+    if receive_pool_bytes is not None:
+        engine_values[RECEIVE_POOL_BYTES_FLAG] = receive_pool_bytes
     # "NAME=PATH" strings, not addresses: kept out of the generic tuple coercion.
     adapters = adapters or tuple(str(a) for a in engine_values.pop(ADAPTERS_FLAG, ()))
     engine_config = dataclass_from_mapping(EngineConfig, engine_values, "[engine]")
@@ -332,6 +342,11 @@ def validate(config: ServerConfig) -> ServerConfig:
             raise ConfigError(f"no such file: {tls_file}")
     _validate_shards(config)
     _validate_models(config)
+    if not 0 <= config.bulk_lanes <= MAX_BULK_LANES:
+        raise ConfigError(f"bulk_lanes = {config.bulk_lanes}: expected 1..{MAX_BULK_LANES} "
+                          "lanes (0: one per core, up to 4)")
+    if config.engine_config.receive_pool_bytes < 0:
+        raise ConfigError("[engine] receive_pool_bytes must be >= 0 (0: auto)")
     if config.model is not None and not Path(config.model).is_dir():
         raise ConfigError(f"--model {config.model}: not a checkpoint directory")
     return config

@@ -246,6 +246,10 @@ class EngineConfig:
     memory_threshold: float = 0.85
     # 0: sized from the model and the machine's memory (mlxcel_plugin/memory_budget.py).
     kv_memory_bytes: int = 0
+    # Decode node: freed receive buffers kept faulted in for the next handoffs (MLX's cache
+    # limit; docs/bulk-lanes.md#receive-pool); 0: auto, at most 2 GiB; never above
+    # kv_memory_bytes.
+    receive_pool_bytes: int = 0
     # K/V kept quantized to this many bits once a prompt is prefilled (engines/kv_quant.py;
     # mlx-lm's kv_bits); 0: off. Prefill and decode nodes must agree.
     kv_bits: int = 0

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 MIB = 1 << 20
 DEFAULT_POOL_BYTES = 512 * MIB
 MIN_POOL_BYTES = 64 * MIB
+RECEIVE_POOL_MAX_BYTES = 2048 * MIB  # default bound of the MLX receive pool (engine_memory)
 _FALLBACK_MACHINE_BYTES = 16 << 30
 _ALIGN = 64 * 1024
 # References to a free slab while ``_lent`` looks at it: the pool's list and
@@ -128,6 +129,23 @@ def pool_bytes_for(kv_budget_bytes: int, model_bytes: int = 0,
     machine = machine_memory_bytes() if machine_bytes is None else machine_bytes
     spare = max(machine - model_bytes, 0)
     return max(MIN_POOL_BYTES, min(DEFAULT_POOL_BYTES, kv_budget_bytes // 4, spare // 16))
+
+
+def receive_pool_bytes_for(kv_budget_bytes: int, model_bytes: int = 0,
+                           machine_bytes: int | None = None, asked_bytes: int = 0) -> int:
+    """Freed receive buffers an MLX decode node keeps faulted in for the next handoffs.
+
+    ``asked_bytes`` (``[engine] receive_pool_bytes``) when set, else a quarter of the KV
+    budget, an eighth of the memory the model leaves free, and ``RECEIVE_POOL_MAX_BYTES``
+    (at least ``MIN_POOL_BYTES``): one or two 8B-shaped 8k-token handoffs. Never more
+    than the KV budget: warm memory is kept instead of KV the node could admit.
+    """
+    if asked_bytes > 0:
+        return min(asked_bytes, kv_budget_bytes)
+    machine = machine_memory_bytes() if machine_bytes is None else machine_bytes
+    spare = max(machine - model_bytes, 0)
+    auto = min(RECEIVE_POOL_MAX_BYTES, kv_budget_bytes // 4, spare // 8)
+    return min(max(MIN_POOL_BYTES, auto), kv_budget_bytes)
 
 
 def give_back_to_os() -> None:

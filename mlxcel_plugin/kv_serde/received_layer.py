@@ -145,8 +145,8 @@ def layer_buffers(memory: ReceiveMemory, spec: LayerSpec, tokens: int,
 
 
 def room_tokens(step: int, header: HandoffHeader, kind: str, descriptor: LayerDescriptor) -> int:
-    """Positions to allocate a plain KVCache layer for: its tokens rounded up past the next
-    ``step`` (``ReceiveMemory.room_step``), so decode writes into what was received; 0: none.
+    """Positions to allocate a plain KVCache layer for: past its tokens, on the room grid
+    (``room_grid``), so decode writes into what was received; 0: none.
 
     Only a full handoff without checksums (v4): its chunks land in per-head pieces, which a
     crc32 over each tensor would have to read back.
@@ -154,7 +154,22 @@ def room_tokens(step: int, header: HandoffHeader, kind: str, descriptor: LayerDe
     if (not step or header.checksummed or header.prefix_tokens or kind != "KVCache"
             or descriptor.tokens != descriptor.offset):
         return 0
-    return (descriptor.tokens // step + 1) * step
+    return room_grid(descriptor.tokens + 1, step)
+
+
+def room_grid(tokens: int, step: int) -> int:
+    """The fewest positions >= ``tokens`` that are whole ``step``s on a grid of eighths of an
+    octave (8k tokens: 9216; 2k: 2304): at most 1/8 more than asked, beyond the step.
+
+    Why a grid: MLX reuses a freed buffer (warm pages) only for an allocation within two
+    pages of its size, so buffers sized to the prompt's own step were reused only by
+    prompts in the same 256-token step; sizes on a coarse grid are shared by every prompt
+    within an eighth of an octave, and the extra positions are decode room (written in
+    place) that the handoff's KV budget already counts.
+    """
+    steps = -(-tokens // step)
+    unit = 1 << max(0, steps.bit_length() - 4)  # an eighth of the octave ``steps`` is in
+    return -(-steps // unit) * unit * step
 
 
 def _has_room(spec: LayerSpec) -> bool:

@@ -35,6 +35,19 @@ def default_bulk_lanes(environ: os._Environ | dict[str, str] = os.environ) -> in
     return int(raw)
 
 
+def bulk_lanes_for(setting: int = 0) -> int:
+    """The lanes a node's KV links use: ``setting`` (``--bulk-lanes``, ``[server]
+    bulk_lanes``, ``MLXCEL_BULK_LANES``: config.ServerConfig) when set, else one per core up
+    to 4 (``default_bulk_lanes``)."""
+    if setting == 0:
+        return default_bulk_lanes()
+    if not 1 <= setting <= MAX_BULK_LANES:
+        raise ConfigError(f"bulk_lanes = {setting}: expected a whole number of lanes "
+                          f"from 1 to {MAX_BULK_LANES} (0: one per core, up to "
+                          f"{MAX_DEFAULT_BULK_LANES})")
+    return setting
+
+
 @dataclass(frozen=True)
 class LinkConfig:
     """Tunables of a link; defaults suit a LAN cluster."""

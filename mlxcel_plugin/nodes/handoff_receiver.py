@@ -226,6 +226,15 @@ class HandoffReceiver:
             return
         give_back_to_os()  # the pool's slabs stay warm: the next handoff may be on its way
 
+    def pool_bytes(self) -> tuple[int, int]:
+        """(bound, held now) of the freed receive buffers kept warm: the engine's pool where
+        its ``kv_buffers`` has one (``pool_bytes()``), else this receiver's ``BufferPool``."""
+        engine_pool = getattr(self.memory.make_buffers, "pool_bytes", None)
+        if engine_pool is not None:
+            return engine_pool()
+        pool = self.memory.pool
+        return (pool.max_bytes, pool.held_bytes) if pool is not None else (0, 0)
+
     def release_memory(self) -> int:
         """Free the pool's unlent slabs and return freed heap pages to the OS; bytes freed."""
         freed = self.memory.pool.release_free() if self.memory.pool is not None else 0

@@ -28,7 +28,7 @@ from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
-from mlxcel_plugin.link.config import default_bulk_lanes
+from mlxcel_plugin.link.config import bulk_lanes_for
 from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
@@ -98,20 +98,23 @@ DECODE_BULK_READER_NICE = 10
 KV_BULK_THRESHOLD_BYTES = 32 * 1024
 
 
-def link_config(role: str) -> LinkConfig:
-    """The links a node serves: decode nodes receive KV bodies at a lower CPU priority."""
-    return LinkConfig(bulk_reader_nice=DECODE_BULK_READER_NICE if role == "decode" else 0)
+def link_config(role: str, bulk_lanes: int = 0) -> LinkConfig:
+    """The links a node serves: decode nodes receive KV bodies at a lower CPU priority;
+    ``bulk_lanes`` (``--bulk-lanes``; 0: one per core up to 4) bounds the lanes it grants."""
+    return LinkConfig(bulk_reader_nice=DECODE_BULK_READER_NICE if role == "decode" else 0,
+                      bulk_max_lanes=bulk_lanes_for(bulk_lanes))
 
 
-def kv_link_config() -> LinkConfig:
+def kv_link_config(bulk_lanes: int = 0) -> LinkConfig:
     """Links a prefill node dials to decode nodes to hand KV caches over: bodies spread
-    over parallel bulk lanes (``MLXCEL_BULK_LANES``, else one per core up to 4)."""
+    over parallel bulk lanes (``--bulk-lanes`` / ``MLXCEL_BULK_LANES``, else one per core
+    up to 4)."""
     # The send queue stays at its default (32 MiB: one full 16 MiB KV frame at a time), so
     # lanes overlap consecutive bodies (the next one sealed and sent on another lane while
     # the last drains and is read) rather than carry several at once: with room for a frame
     # per lane, 8k-token handoffs got slower here (the decode node's receive is the limit).
     return LinkConfig(bulk_threshold_bytes=KV_BULK_THRESHOLD_BYTES,
-                      bulk_lanes=default_bulk_lanes())
+                      bulk_lanes=bulk_lanes_for(bulk_lanes))
 
 
 def node_settings(config: ServerConfig) -> NodeSettings:
@@ -151,7 +154,8 @@ def run_prefill(config: ServerConfig, registry: PluginRegistry) -> None:
 
     def build() -> PrefillNode:
         node_id = config.effective_node_id
-        return PrefillNode(parts, DecodeLinks(secret, node_id, kv_link_config()), node_id)
+        links = DecodeLinks(secret, node_id, kv_link_config(config.bulk_lanes))
+        return PrefillNode(parts, links, node_id)
 
     run_event_loop(_serve_node(config, secret, engine, build, {"router"}))
 
@@ -243,7 +247,7 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
                               node.drain)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
-                              config=link_config(config.role),
+                              config=link_config(config.role, config.bulk_lanes),
                               announce=_announce(config, engine))
     ops = await OpsServer.start(config.host, config.port, OpsRoutes(
         node.health, node.metrics.render, ready=lambda: not node.drain.draining))

@@ -75,7 +75,7 @@ def test_an_idle_engine_keeps_its_warm_buffers_within_the_bound(tiny_model_path)
                 break
             threading.Event().wait(0.01)
         assert engine._memory.idle.releases == 1
-        assert 0 < mx.get_cache_memory() <= engine._memory.budgets.freed_cache_bytes
+        assert 0 < mx.get_cache_memory() <= engine._memory.cache_limit_bytes
         assert mx.get_cache_memory() >= warm  # nothing warm was dropped
     finally:
         engine.close()
