@@ -65,6 +65,7 @@ from mlxcel_plugin.nodes.kv_wire import KV_TYPES, message_to_frame
 from mlxcel_plugin.nodes.metrics import DecodeMetrics, register_inference_extension
 from mlxcel_plugin.nodes.node_adapters import NodeAdapters
 from mlxcel_plugin.nodes.outbox import Outbox, token_result
+from mlxcel_plugin.nodes.receive_pool_metrics import register_receive_pool
 from mlxcel_plugin.nodes.requests import dispatch_router_frame, generation_request
 from mlxcel_plugin.prefix_cache_metrics import prefix_telemetry, register_prefix_cache
 from mlxcel_plugin.scheduling import DecodeScheduler
@@ -104,6 +105,7 @@ class DecodeNode:
         register_prefix_cache(self.metrics.registry, lambda: self.engine.stats().prefix_cache)
         register_speculative(self.metrics.registry, lambda: self.engine.stats().speculative)
         register_inference_extension(self.metrics.registry, self.telemetry)
+        register_receive_pool(self.metrics.registry, self.receiver.pool_bytes)
 
     # -- state readers -----------------------------------------------------------------
 
