@@ -36,6 +36,7 @@ from engines.engine_commands import (
 )
 from engines.engine_memory import EngineMemory
 from engines.grammar import request_sampler
+from engines.handoff_arrivals import HandoffArrivals
 from engines.kv_quant import KVQuantizer
 from engines.model_loader import load_mlx_model, model_info
 from engines.prefill import Prefilled, prefill_request, prepare_prefills
@@ -80,6 +81,7 @@ class MlxEngine:
         # Engine-thread state.
         self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
+        self._arrivals = HandoffArrivals(self._fit_prefix_cache)  # spread over iterations
         self._batch, self._speed = SpeculativeBatch(model, config.speculative, info), SpeedMeter()
         self.kv_buffers = kv_convert.ReceiveBuffers()  # received K/V land in MLX (engine_api)
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
@@ -166,13 +168,14 @@ class MlxEngine:
             self._ready.set()
         while self._handle_commands():
             self._prefill_next()
-            self._admit_waiting()
+            self._arrivals.admit(self._waiting, self._batch, self.config.max_batch_size)
             self._decode_step()
+            self._arrivals.after_step(self._batch, self._waiting)
             self._update_stats()
         self._cancel_everything()
 
     def _has_work(self) -> bool:
-        return bool(self._prefills or self._waiting or len(self._batch))
+        return bool(self._prefills or self._waiting or self._arrivals or len(self._batch))
 
     def _handle_commands(self) -> bool:
         """Apply queued commands (blocking while idle); False once asked to stop."""
@@ -245,15 +248,9 @@ class MlxEngine:
             return
         caches = self._kv_quant.caches(handoff_caches(cache, pin, self._nesting))
         # A prefill node computed these chunks: the next turn may prefill here (local).
-        self._prefix.store_received(prompt, caches)
-        self._fit_prefix_cache()
+        self._arrivals.store_later(request.request_id, self._prefix, prompt, caches)
         self._waiting.append((sequence, caches))
-
-    def _admit_waiting(self) -> None:
-        room = self.config.max_batch_size - len(self._batch)
-        joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-        if joining:
-            self._batch.add([s for s, _ in joining], [c for _, c in joining])
+        self._arrivals.adopted(decoding=bool(len(self._batch)))  # it joins at the next step
 
     # -- prefill -------------------------------------------------------------------------
 
@@ -261,6 +258,7 @@ class MlxEngine:
         if not self._prefills:
             return
         job = self._prefills.popleft()
+        self._arrivals.flush()  # received prompts stored first: this prefill may reuse them
         if isinstance(job, Generate):
             self._run_generate(job)
         else:
@@ -343,6 +341,8 @@ class MlxEngine:
         """Sample, emit; True while the sequence goes on."""
         token, logprobs = sequence.take_next(logits)
         reason = finish_reason(sequence.request, self.info, token, sequence.num_generated)
+        if reason is not None:  # its next turn may look the prompt up once this is out
+            self._arrivals.store_now(sequence.request_id)
         event = TokenEvent(sequence.request_id, sequence.num_generated - 1, token, reason,
                            logprobs=logprobs)
         return deliver(sequence.emit, event) and reason is None
