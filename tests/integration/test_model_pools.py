@@ -1,15 +1,18 @@
-"""One router over two models (``[models.NAME]`` pools), each with its own prefill and decode
+"""One router over several models (``[models.NAME]`` pools), each with its own prefill and decode
 node, driven with the ``openai`` SDK: each request is served by its model's pool, with the
 text a hybrid node of that model gives; an unknown model gets 404 ``model_not_found``;
-``/v1/models`` and ``/metrics`` cover both models.
+``/v1/models`` and ``/metrics`` cover every model.
 
-The two tiny checkpoints have different random weights (and a config key apart, so
-their digests differ: a node of the other model is refused by the link verdict).
+The pools: two tiny checkpoints of different architectures (llama, qwen3) and, when this
+module's ``smollm2`` test is selected, SmolLM2-135M with a seeded LoRA adapter given at start
+to its nodes. Through that pool the adapter's greedy text differs from the base's and is the
+text of the same adapter fused into the weights with mlx-lm. One cluster serves every test:
+without the ``smollm2`` test (``-m 'not smollm2'``) it is started without SmolLM2.
 """
 
 from __future__ import annotations
 
-import json
+import time
 from pathlib import Path
 
 import httpx
@@ -20,24 +23,51 @@ from mlxcel_plugin.link import generate_secret_file
 from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node
 
 STARTUP_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 300  # SmolLM2 on a loaded 2-core machine
 MESSAGES = [{"role": "user", "content": "Write a short story about a fox."}]
-NAMES = ("tiny-a", "tiny-b")
+TINY = ("tiny-llama", "tiny-qwen3")
+SMOL, SMOL_ADAPTER = "smollm2", "smol-a"
+SMOL_PROMPT = [1, 504, 3000, 28, 7, 95, 42, 17]  # token ids: the engine test's prompt
+SMOL_STEPS = 8
 pytestmark = pytest.mark.timeout(900)
 
 
-def second_checkpoint(root: Path) -> str:
-    from engines.model_store import write_tiny_checkpoint
-
-    out = write_tiny_checkpoint(root / "tiny-b", seed=7)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "mlxcel_test_variant": "b"}))
-    return str(out)
+def smollm2_selected(request: pytest.FixtureRequest) -> bool:
+    """Whether this run includes this module's SmolLM2 test (else its pool is left out)."""
+    return any(item.get_closest_marker("smollm2") for item in request.session.items
+               if item.path == request.path)  # fmt: skip
 
 
-def engine_node(role: str, workdir: Path, model: str, secret: Path) -> NodeProcess:
-    args = ["--model", model, "--cluster-secret-file", str(secret), "--no-warmup"]
-    return start_node(role, workdir, args, serving_bind=f"{LOOPBACK}:{free_port()}",
-                      name=f"{role}-{Path(model).name}")  # fmt: skip
+def write_smol_adapter(model_path: Path, out: Path) -> Path:
+    """A seeded adapter for SmolLM2 (the model loaded lazily: only its shapes are read)."""
+    from mlx_lm.utils import load
+
+    from engines.lora.random_adapter import write_random_adapter
+
+    return write_random_adapter(load(str(model_path), lazy=True)[0], out, seed=7, rank=4)
+
+
+def fused_text(model_path: Path, adapter: Path) -> str:
+    """The greedy text of ``adapter`` fused into SmolLM2's weights with mlx-lm."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load
+
+    from tests.engines.lora.test_adapters import greedy
+
+    model, tokenizer = load(str(model_path))
+    model = load_adapters(model, str(adapter))
+    fused = [(name, module.fuse()) for name, module in model.named_modules()
+             if hasattr(module, "fuse")]  # fmt: skip
+    model.update_modules(tree_unflatten(fused))
+    tokens = greedy(model, [SMOL_PROMPT], SMOL_STEPS)[0]
+    ends = [i for i, token in enumerate(tokens) if token in tokenizer.eos_token_ids]
+    return tokenizer.decode(tokens[: ends[0] if ends else len(tokens)])
+
+
+def engine_node(role: str, workdir: Path, name: str, args: list[str]) -> NodeProcess:
+    return start_node(role, workdir, [*args, "--no-warmup"],
+                      serving_bind=f"{LOOPBACK}:{free_port()}", name=f"{role}-{name}")
 
 
 def pools_toml(models: dict[str, str], nodes: dict[str, list[NodeProcess]]) -> str:
@@ -49,48 +79,100 @@ def pools_toml(models: dict[str, str], nodes: dict[str, list[NodeProcess]]) -> s
     return "\n".join(lines)
 
 
-def greedy_text(url: str, model: str) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16,
-                                           temperature=0)  # fmt: skip
-    return reply.choices[0].message.content
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path: Path, tmp_path_factory, request):
+    from engines.tiny_models import ensure_arch_model
+    from tests.conftest import model_cache_root
 
-
-def test_router_routes_each_model_to_its_pool(tiny_model_path: Path, tmp_path: Path) -> None:
-    models = {"tiny-a": str(tiny_model_path), "tiny-b": second_checkpoint(tmp_path)}
-    secret = tmp_path / "cluster.secret"
+    root = tmp_path_factory.mktemp("model-pools")
+    models = {"tiny-llama": str(tiny_model_path),
+              "tiny-qwen3": str(ensure_arch_model("qwen3", root=model_cache_root()))}
+    extra: dict[str, list[str]] = {name: [] for name in models}
+    reference: dict[str, str] = {}
+    if smollm2_selected(request):
+        models[SMOL] = str(request.getfixturevalue("smollm2_model_path"))
+        adapter = write_smol_adapter(Path(models[SMOL]), root / "adapter")
+        extra[SMOL] = [f"--adapter={SMOL_ADAPTER}={adapter}"]
+    secret = root / "cluster.secret"
     generate_secret_file(secret)
     started: list[NodeProcess] = []
     try:
-        hybrids = {name: start_node("hybrid", tmp_path, ["--model", model, "--no-warmup",
-                                                         "--served-model-name", name],
-                                    name=f"hybrid-{name}")  # fmt: skip
-                   for name, model in models.items()}
+        hybrids = {name: start_node("hybrid", root, ["--model", model, "--no-warmup",
+                                                     "--served-model-name", name, *extra[name]],
+                                    name=f"hybrid-{name}")
+                   for name, model in models.items()}  # fmt: skip
         started += hybrids.values()
-        nodes = {name: [engine_node(role, tmp_path, model, secret)
-                        for role in ("prefill", "decode")]
-                 for name, model in models.items()}  # fmt: skip
+        linked = {name: ["--model", model, "--cluster-secret-file", str(secret), *extra[name]]
+                  for name, model in models.items()}  # fmt: skip
+        nodes = {name: [engine_node(role, root, name, linked[name])
+                        for role in ("prefill", "decode")] for name in models}  # fmt: skip
         started += [node for pair in nodes.values() for node in pair]
-        (tmp_path / "router.toml").write_text(pools_toml(models, nodes))
-        router = start_node("router", tmp_path, [
-            "--model", models["tiny-a"], "--cluster-secret-file", str(secret),
-            "--distributed-config", str(tmp_path / "router.toml")])  # fmt: skip
+        (root / "router.toml").write_text(pools_toml(models, nodes))
+        router = start_node("router", root, [
+            "--model", models["tiny-llama"], "--cluster-secret-file", str(secret),
+            "--distributed-config", str(root / "router.toml")])  # fmt: skip
         started.append(router)
+        if SMOL in models:  # in this process while the nodes start
+            reference[SMOL_ADAPTER] = fused_text(Path(models[SMOL]), adapter)
         for node in started:
             node.wait_healthy(STARTUP_TIMEOUT_S)
-        expected = {name: greedy_text(hybrids[name].url, name) for name in NAMES}
-        assert expected["tiny-a"] != expected["tiny-b"]  # the weights differ
-        for name in NAMES:
-            assert greedy_text(router.url, name) == expected[name], name
-        with pytest.raises(openai.NotFoundError) as refused:
-            greedy_text(router.url, "no-such-model")
-        assert refused.value.code == "model_not_found"
-        listed = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"]
-        assert [card["id"] for card in listed] == list(NAMES)
-        assert all(card["max_model_len"] and card["owned_by"] for card in listed)
-        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
-        for name in NAMES:
-            assert f'mlxcel:generation_tokens_total{{model_name="{name}"}}' in metrics
+        yield router, hybrids, list(models), reference
     finally:
         for node in reversed(started):
             node.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                         timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+
+
+def greedy_text(url: str, model: str) -> str:
+    reply = client(url).chat.completions.create(model=model, messages=MESSAGES, max_tokens=16,
+                                                temperature=0)  # fmt: skip
+    return reply.choices[0].message.content
+
+
+def test_router_routes_each_model_to_its_pool(cluster) -> None:
+    router, hybrids, names, _ = cluster
+    expected = {name: greedy_text(hybrids[name].url, name) for name in TINY}
+    assert expected["tiny-llama"] != expected["tiny-qwen3"]  # the weights differ
+    for name in TINY:
+        assert greedy_text(router.url, name) == expected[name], name
+    with pytest.raises(openai.NotFoundError) as refused:
+        greedy_text(router.url, "no-such-model")
+    assert refused.value.code == "model_not_found"
+    listed = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"]
+    assert [card["id"] for card in listed if not card.get("parent")] == names
+    assert all(card["max_model_len"] and card["owned_by"] for card in listed)
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    for name in TINY:
+        assert f'mlxcel:generation_tokens_total{{model_name="{name}"}}' in metrics
+
+
+def completion_text(url: str, model: str) -> str:
+    reply = client(url).completions.create(model=model, prompt=SMOL_PROMPT,
+                                           max_tokens=SMOL_STEPS, temperature=0)  # fmt: skip
+    return reply.choices[0].text
+
+
+def wait_for_card(url: str, name: str, timeout_s: float = 30.0) -> dict:
+    """An adapter joins /v1/models once its nodes' telemetry has announced it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cards = {c["id"]: c for c in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+        if name in cards:
+            return cards[name]
+        time.sleep(0.1)
+    raise AssertionError(f"{url}/v1/models never listed {name}")
+
+
+@pytest.mark.smollm2
+def test_smollm2_and_its_adapter_through_their_pool(cluster) -> None:
+    router, hybrids, _, reference = cluster
+    hybrid = hybrids[SMOL].url
+    assert greedy_text(router.url, SMOL) == greedy_text(hybrid, SMOL)
+    assert wait_for_card(router.url, SMOL_ADAPTER)["parent"] == SMOL
+    adapted = completion_text(router.url, SMOL_ADAPTER)
+    assert adapted == reference[SMOL_ADAPTER] == completion_text(hybrid, SMOL_ADAPTER)
+    assert adapted != completion_text(router.url, SMOL)
