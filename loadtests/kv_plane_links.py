@@ -27,6 +27,10 @@ SHAPED_ENOUGH = 0.9  # raw TCP must reach this share of a shaped rate to prove t
 WIDE_BURST_S = 0.016  # the second try's tbf bucket, in seconds of the rate
 BASELINE_TIMEOUT_S = 600
 WARMUP_TOKENS = 256
+# The decode node's prefix cache (1 GiB by default) keeps each handoff's buffers for the next
+# turn until its LRU evicts them: a node in service evicts one as each handoff arrives, and
+# the next reuses those pages. Unmeasured handoffs per size until that turnover, at most:
+PREFIX_CACHE_BYTES, MAX_WARM_HANDOFFS = 1 << 30, 5
 
 
 @dataclass
@@ -108,14 +112,22 @@ def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
 # ---------------------------------------------------------------- the product
 
 
+def warm_handoffs(tokens: int, bytes_per_token: int) -> int:
+    """Handoffs of this size before the measured ones: the first lands in fresh pages, the
+    rest until the decode node's prefix cache turns over (``PREFIX_CACHE_BYTES``)."""
+    return min(MAX_WARM_HANDOFFS, PREFIX_CACHE_BYTES // (tokens * bytes_per_token) + 1)
+
+
 async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> list[dict]:
-    """Per config: one handoff of this size first (the decode node's receive pool takes it
-    into fresh pages: its receiver CPU is reported as ``cold``), then the measured ones,
-    which land in warm memory as a node in service does."""
+    """Per config: unmeasured handoffs of this size first (``warm_handoffs``; the first one's
+    receiver CPU is reported as ``cold``: the receive pool takes it into fresh pages), then
+    the measured ones, which land in warm memory as on a node in service."""
     rows = []
     for config in run.configs:
         try:
-            cold = (await handoffs(nodes, config, tokens, 1, run.rng))[0]
+            warm = await handoffs(nodes, config, tokens,
+                                  warm_handoffs(tokens, run.bytes_per_token), run.rng)
+            cold = warm[0]
             done = await handoffs(nodes, config, tokens, run.repeats, run.rng)
         except (RuntimeError, TimeoutError) as exc:  # one failed case does not end the run
             print(f"{link} {tokens} {config} failed: {exc}", flush=True)

@@ -251,3 +251,20 @@ def test_a_crc_for_a_body_that_did_not_land_in_place_is_not_trusted():
     for message in messages:  # bodies elsewhere: copied into place, crc read from the buffer
         state = assembler.feed(dataclasses.replace(message, body_crc=12345)) or state
     assert_caches_equal(state.cache, cache)
+
+
+def test_room_sizes_sit_on_a_grid_an_eighth_of_an_octave_apart():
+    """Receive buffers are sized so that prompts of nearby lengths share a size (MLX reuses
+    a freed buffer only for an allocation of about its size): past the tokens, whole steps,
+    at most an eighth more than asked beyond the step."""
+    from mlxcel_plugin.kv_serde.received_layer import room_grid
+
+    step = 256
+    assert [room_grid(t, step) for t in (1, 256, 257, 2049, 4097, 8193, 32769)] == [
+        256, 256, 512, 2304, 4608, 9216, 36864]
+    sizes = {room_grid(t, step) for t in range(8193, 9217)}
+    assert sizes == {9216}  # a thousand prompt lengths, one buffer size
+    for tokens in range(1, 70000, 97):
+        room = room_grid(tokens, step)
+        assert room >= tokens and room % step == 0
+        assert room <= max(tokens * 9 / 8, tokens) + step
