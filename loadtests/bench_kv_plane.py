@@ -115,6 +115,9 @@ def parse_args() -> argparse.Namespace:
                         help="each quiet ITL window, at least (else as long as the last ingest)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--shape", default="32,8,128", help="layers,kv_heads,head_dim (bf16)")
+    parser.add_argument("--receive-pool-bytes", type=int, default=None,
+                        help="the decode node's [engine] receive_pool_bytes (default: its own "
+                        "auto; 536870912 = the 512 MiB MLX cache it had before the pool)")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.links, args.configs = "256", "loopback", "full-none,full-int8"
@@ -150,7 +153,8 @@ def main() -> None:
     plane = kv_plane_defaults()
     run = LinkRun(model=model, workdir=workdir, sizes=sizes, bytes_per_token=per_token,
                   configs=args.configs.split(","), repeats=args.repeats, placement=placement,
-                  plane=plane, itl=_itl_settings(args), rng=random.Random(0))
+                  plane=plane, itl=_itl_settings(args), rng=random.Random(0),
+                  decode_engine=_decode_engine(args))
     links = args.links.split(",")
     revision = source_revision()
     print(f"KV plane at {revision}: shape {shape} ({per_token} B/token), sizes {sizes}, "
@@ -167,6 +171,13 @@ def main() -> None:
     if args.json:
         write_json(Path(args.json), bench_result("kv_plane", result["tables"], result["series"])
                    | {"run": {**result["run"], "revision": revision}})
+
+
+def _decode_engine(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.receive_pool_bytes is None:
+        return None
+    print(f"decode node: [engine] receive_pool_bytes = {args.receive_pool_bytes}", flush=True)
+    return {"receive_pool_bytes": args.receive_pool_bytes}
 
 
 def _itl_settings(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -47,6 +47,7 @@ class LinkRun:
     plane: KVPlaneDefaults
     itl: dict[str, Any] | None
     rng: Any
+    decode_engine: dict[str, Any] | None = None  # the decode node's [engine] keys
 
 
 @dataclass
@@ -165,7 +166,8 @@ async def measure_link(link: str, rate: float | None, nodes: NodeSet, ends: Endp
 
 
 async def run_loopback(run: LinkRun) -> dict[str, Any]:
-    nodes = loopback_nodes(run.model, run.workdir / "loopback", run.configs, run.placement)
+    nodes = loopback_nodes(run.model, run.workdir / "loopback", run.configs, run.placement,
+                           run.decode_engine)
     try:
         ends = Endpoints(run.placement.taskset("sender"), run.placement.taskset("receiver"),
                          LOOPBACK, free_port())
@@ -225,7 +227,7 @@ def netns_links(run: LinkRun, links: list[str]) -> list[dict[str, Any]]:
     results = []
     with NetnsTopology(("prefill", "decode")) as net:
         nodes = netns_nodes(run.model, NetnsNodes(net, run.workdir / "netns"), run.configs,
-                            run.placement)
+                            run.placement, run.decode_engine)
         try:
             ends = Endpoints(run.placement.taskset("sender") + net.exec_argv("prefill", []),
                              run.placement.taskset("receiver") + net.exec_argv("decode", []),

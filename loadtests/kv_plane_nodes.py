@@ -36,9 +36,12 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name -> [transfer] table
 }
 
 
-def node_toml(transfer: dict[str, Any]) -> str:
+def node_toml(transfer: dict[str, Any], engine: dict[str, Any] | None = None) -> str:
     values = {**transfer, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
-    return "[transfer]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+    text = "[transfer]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+    if engine:
+        text += "[engine]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items())
+    return text
 
 
 def get(url: str) -> str:
@@ -72,8 +75,8 @@ def node_args(model: str, secret_path: Path) -> list[str]:
             str(secret_path)]
 
 
-def loopback_nodes(model: str, workdir: Path, configs: list[str],
-                   placement: Placement) -> NodeSet:
+def loopback_nodes(model: str, workdir: Path, configs: list[str], placement: Placement,
+                   decode_engine: dict[str, Any] | None = None) -> NodeSet:
     """Every node on 127.0.0.1 in this namespace (the loopback link)."""
     workdir.mkdir(parents=True, exist_ok=True)
     secret_path = workdir / "cluster.secret"
@@ -83,7 +86,8 @@ def loopback_nodes(model: str, workdir: Path, configs: list[str],
         for name in ["decode", *configs]:
             role = "decode" if name == "decode" else "prefill"
             toml = workdir / f"{name}.toml"
-            toml.write_text(node_toml(CONFIGS.get(name, {})))
+            toml.write_text(node_toml(CONFIGS.get(name, {}),
+                                      decode_engine if role == "decode" else None))
             args = [*node_args(model, secret_path), "--distributed-config", str(toml)]
             cores = placement.receiver if role == "decode" else placement.sender
             started[name] = start_node(role, workdir, args, name=name, cpu_affinity=cores,
@@ -99,10 +103,12 @@ def loopback_nodes(model: str, workdir: Path, configs: list[str],
     return NodeSet(load_cluster_secret(str(secret_path), {}), decode, started, urls)
 
 
-def netns_nodes(model: str, nodes: Any, configs: list[str], placement: Placement) -> NodeSet:
+def netns_nodes(model: str, nodes: Any, configs: list[str], placement: Placement,
+                decode_engine: dict[str, Any] | None = None) -> NodeSet:
     """The decode node on host "decode", prefill nodes on host "prefill" (``NetnsNodes``)."""
     engine_args = ["--engine", "synthetic-kv", "--model", model]  # NetnsNodes adds the secret
-    decode = nodes.start("decode", "decode", "decode", engine_args, node_toml({}))
+    decode = nodes.start("decode", "decode", "decode", engine_args,
+                         node_toml({}, decode_engine))
     pin_all(decode.process.pid, placement.receiver)
     prefills = {}
     for name in configs:
