@@ -5,7 +5,9 @@ shared-length prompt: all on the base; all on one adapter; 4 distinct adapters
 (2 rows each); 8 distinct adapters (one row each). The adapted layers gather each
 row's A and B (``engines/lora/multi_lora.py``): no weights fused, no batch split.
 Target: 8 distinct adapters >= 0.8x the single-adapter batch's tok/s. Also: the
-time to load one adapter (``AdapterSet.load``) and the first token after it.
+time to load one adapter (``AdapterSet.load``) and the first token after it, in
+this process and on a real hybrid node (``POST /v1/load_lora_adapter``, then a
+streaming request naming it: ``adapter_node_ttft.py``; ``--no-node`` skips it).
 
     .venv/bin/python loadtests/bench_adapters.py               # SmolLM2-135M
     .venv/bin/python loadtests/bench_adapters.py --model tiny --repeats 5
@@ -29,6 +31,7 @@ from mlx_lm.utils import load  # noqa: E402
 from engines.lora.adapter_set import AdapterSet  # noqa: E402
 from engines.lora.random_adapter import write_random_adapter  # noqa: E402
 from engines.model_store import ensure_default_model, ensure_tiny_model  # noqa: E402
+from loadtests.adapter_node_ttft import NodeLoadTiming, node_load_timing  # noqa: E402
 from tests.conftest import model_cache_root  # noqa: E402
 
 BATCH = 8
@@ -67,15 +70,37 @@ def first_token_after_load(model, served: AdapterSet, path: Path) -> tuple[float
     return loaded - start, time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
-    args = parser.parse_args()
-    ensure = ensure_default_model if args.model == "smollm2" else ensure_tiny_model
-    model, _ = load(str(ensure(root=model_cache_root())))
+    parser.add_argument("--no-node", action="store_true", help="skip the hybrid node's load")
+    return parser.parse_args()
+
+
+def report(args: argparse.Namespace, figures: dict[str, float], in_process: tuple[float, float],
+           node: NodeLoadTiming | None) -> None:  # fmt: skip
+    print(f"model {args.model}, batch {BATCH}, {args.steps} steps, rank {args.rank}, "
+          f"best of {args.repeats}")
+    for name, tok_s in figures.items():
+        print(f"  {name:<15} {tok_s:8.1f} tok/s")
+    ratio = figures["8 adapters x1"] / figures["1 adapter x8"]
+    print(f"8 distinct / 1 adapter: {ratio:.2f}x (target >= 0.8x)")
+    print(f"in process: AdapterSet.load {in_process[0] * 1000:.1f} ms; first token after it: "
+          f"{in_process[1] * 1000:.1f} ms")
+    if node is not None:
+        print(f"hybrid node: load_lora_adapter {node.load_s * 1000:.1f} ms (HTTP); first token "
+              f"after it: {node.adapter_ttft_s * 1000:.1f} ms (base: "
+              f"{node.base_ttft_s * 1000:.1f} ms, {PROMPT_TOKENS}-token prompts)")
+
+
+def main() -> None:
+    args = parse_args()
+    model_path = (ensure_default_model if args.model == "smollm2" else ensure_tiny_model)(
+        root=model_cache_root())
+    model, _ = load(str(model_path))
     served = AdapterSet(model)
     with tempfile.TemporaryDirectory() as root:
         for seed in range(BATCH + 1):
@@ -85,15 +110,11 @@ def main() -> None:
         figures = {name: max(decode_tok_s(model, served, rows, args.steps)
                              for _ in range(args.repeats))
                    for name, rows in cases().items()}  # fmt: skip
-        load_s, first_token_s = first_token_after_load(model, served, Path(root) / f"a{BATCH}")
-    print(f"model {args.model}, batch {BATCH}, {args.steps} steps, rank {args.rank}, "
-          f"best of {args.repeats}")
-    for name, tok_s in figures.items():
-        print(f"  {name:<15} {tok_s:8.1f} tok/s")
-    ratio = figures["8 adapters x1"] / figures["1 adapter x8"]
-    print(f"8 distinct / 1 adapter: {ratio:.2f}x (target >= 0.8x)")
-    print(f"load_lora_adapter: {load_s * 1000:.1f} ms; first token after it: "
-          f"{first_token_s * 1000:.1f} ms")
+        in_process = first_token_after_load(model, served, Path(root) / f"a{BATCH}")
+        prompt = [1 + (i * 7) % 5000 for i in range(PROMPT_TOKENS)]
+        node = None if args.no_node else node_load_timing(model_path, Path(root) / f"a{BATCH}",
+                                                          Path(root), prompt)  # fmt: skip
+    report(args, figures, in_process, node)
 
 
 if __name__ == "__main__":
