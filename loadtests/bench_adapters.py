@@ -16,6 +16,7 @@ streaming request naming it: ``adapter_node_ttft.py``; ``--no-node`` skips it).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ from engines.lora.adapter_set import AdapterSet  # noqa: E402
 from engines.lora.random_adapter import write_random_adapter  # noqa: E402
 from engines.model_store import ensure_default_model, ensure_tiny_model  # noqa: E402
 from loadtests.adapter_node_ttft import NodeLoadTiming, node_load_timing  # noqa: E402
+from mlxcel_plugin import openblas  # noqa: E402
 from tests.conftest import model_cache_root  # noqa: E402
 
 BATCH = 8
@@ -83,7 +85,8 @@ def parse_args() -> argparse.Namespace:
 def report(args: argparse.Namespace, figures: dict[str, float], in_process: tuple[float, float],
            node: NodeLoadTiming | None) -> None:  # fmt: skip
     print(f"model {args.model}, batch {BATCH}, {args.steps} steps, rank {args.rank}, "
-          f"best of {args.repeats}")
+          f"best of {args.repeats}; LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r} "
+          "(this process, as engine nodes do)")
     for name, tok_s in figures.items():
         print(f"  {name:<15} {tok_s:8.1f} tok/s")
     ratio = figures["8 adapters x1"] / figures["1 adapter x8"]
@@ -96,7 +99,15 @@ def report(args: argparse.Namespace, figures: dict[str, float], in_process: tupl
               f"{node.base_ttft_s * 1000:.1f} ms, {PROMPT_TOKENS}-token prompts)")
 
 
+def reexec_with_openblas() -> None:
+    """Measure with the BLAS the engine nodes run: OpenBLAS preloaded needs a fresh process."""
+    env = openblas.preload_env(os.environ)
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
+    reexec_with_openblas()
     args = parse_args()
     model_path = (ensure_default_model if args.model == "smollm2" else ensure_tiny_model)(
         root=model_cache_root())
