@@ -75,21 +75,30 @@ class Reply:
         return (len(self.times) - 1) / span if span > 0 else 0.0
 
 
-def run_concurrently(engine: MlxEngine, prompts: list[tuple[int, ...]], max_tokens: int,
-                     streams: int, tag: str) -> list[Reply]:
-    """Every prompt, ``streams`` at a time (a wave waits for its slowest)."""
-    replies: list[Reply] = []
-    for start in range(0, len(prompts), streams):
-        wave = [Reply() for _ in prompts[start : start + streams]]
-        for i, reply in enumerate(wave):
-            request = GenerationRequest(f"{tag}-{start + i}", prompts[start + i], max_tokens)
-            engine.generate(request, reply)
-        for reply in wave:
-            if not reply.done.wait(900):
-                raise TimeoutError(f"{tag}: no reply in 900 s")
-            if reply.error:
-                raise RuntimeError(f"{tag}: {reply.error}")
-        replies += wave
+def run_wave(engine: MlxEngine, prompts: list[tuple[int, ...]], max_tokens: int,
+             tag: str) -> list[Reply]:
+    """The prompts at once (one per stream); waits for every reply."""
+    wave = [Reply() for _ in prompts]
+    for i, (prompt, reply) in enumerate(zip(prompts, wave, strict=True)):
+        engine.generate(GenerationRequest(f"{tag}-{i}", prompt, max_tokens), reply)
+    for reply in wave:
+        if not reply.done.wait(900):
+            raise TimeoutError(f"{tag}: no reply in 900 s")
+        if reply.error:
+            raise RuntimeError(f"{tag}: {reply.error}")
+    return wave
+
+
+def run_interleaved(engines: dict[str, MlxEngine], prompts: list[tuple[int, ...]],
+                    max_tokens: int, streams: int, tag: str) -> dict[str, list[Reply]]:
+    """Every prompt on every engine, ``streams`` at a time, the modes taking turns wave by
+    wave (in alternating order), so a machine whose load drifts slows each mode alike."""
+    replies: dict[str, list[Reply]] = {mode: [] for mode in engines}
+    for number, start in enumerate(range(0, len(prompts), streams)):
+        order = list(engines) if number % 2 == 0 else list(reversed(engines))
+        for mode in order:
+            replies[mode] += run_wave(engines[mode], prompts[start : start + streams],
+                                      max_tokens, f"{tag}-{mode}-{start}")
     return replies
 
 
@@ -106,6 +115,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def paired_ratio(replies: list[Reply], plain: list[Reply]) -> float:
+    """Median over prompts of this mode's tok/s over plain's on the same prompt (same wave
+    slot: the load both ran under is as alike as this machine allows)."""
+    ratios = [r.decode_tok_s / p.decode_tok_s for r, p in zip(replies, plain, strict=True)
+              if p.decode_tok_s > 0]
+    return round(statistics.median(ratios), 2) if ratios else 0.0
+
+
 @dataclass
 class WorkloadFigures:
     rows: list[list] = field(default_factory=list)
@@ -117,16 +134,16 @@ def measure(engines: dict[str, MlxEngine], name: str, prompts: list[tuple[int, .
             max_tokens: int, concurrency: list[int], figures: WorkloadFigures) -> None:
     """Every mode at each concurrency: tok/s, acceptance; flips from the first one."""
     for streams in concurrency:
-        outputs = {}
+        before = {mode: method_counts(engine, mode) for mode, engine in engines.items()}
+        replies = run_interleaved(engines, prompts, max_tokens, streams, f"{name}{streams}")
+        outputs = {mode: [r.tokens for r in found] for mode, found in replies.items()}
         for mode, engine in engines.items():
-            before = method_counts(engine, mode)
-            replies = run_concurrently(engine, prompts, max_tokens, streams, f"{name}{streams}")
-            proposed, accepted = (n - b for n, b in zip(method_counts(engine, mode), before,
-                                                        strict=True))
-            outputs[mode] = [r.tokens for r in replies]
+            proposed, accepted = (n - b for n, b in zip(method_counts(engine, mode),
+                                                        before[mode], strict=True))
             rate = f"{accepted / proposed:.0%}" if proposed else "-"
             figures.rows.append([name, streams, mode, round(statistics.median(
-                r.decode_tok_s for r in replies), 2), proposed, rate])
+                r.decode_tok_s for r in replies[mode]), 2), proposed, rate,
+                paired_ratio(replies[mode], replies["plain"])])
             print("  ", *figures.rows[-1], flush=True)
         if streams == concurrency[0]:
             for mode in [m for m in outputs if m != "plain"]:
@@ -164,15 +181,17 @@ def flip_rows(flips: dict[str, dict[str, list[int | None]]]) -> list[list]:
 
 
 def report(rows: list[list], flips: dict[str, dict[str, list[int | None]]],
-           cost: dict[int, float], prefill: tuple[float, int]) -> list:
+           cost: dict[int, float], prefill: tuple[float, int] | None) -> list:
     tables = [table("decode tokens/s per stream (median)",
-                    ["workload", "streams", "mode", "tok/s", "proposed", "accepted"], rows)]
+                    ["workload", "streams", "mode", "tok/s", "proposed", "accepted",
+                     "x plain (paired)"], rows)]
     tables.append(table("greedy flips vs plain (first concurrency)",
                         ["workload", "mode", "prompts", "differ", "rate", "first difference at"],
                         flip_rows(flips)))
-    tables.append(table("draft prefill of a 2048-token prompt (decode node)",
-                        ["seconds", "draft K/V MiB"],
-                        [[round(prefill[0], 3), round(prefill[1] / 2**20, 1)]]))
+    if prefill is not None:
+        tables.append(table("draft prefill of a 2048-token prompt (decode node)",
+                            ["seconds", "draft K/V MiB"],
+                            [[round(prefill[0], 3), round(prefill[1] / 2**20, 1)]]))
     tables.append(table("verify forward cost (one sequence)", ["rows", "time / one-row step",
                                                                 "per extra row"],
                         [[w, round(c, 3), round((c - 1) / (w - 1), 3) if w > 1 else "-"]
@@ -192,6 +211,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chat-prompts", type=int, help="default 16 (--quick: 4)")
     parser.add_argument("--max-tokens", type=int, help="default 192 (--quick: 48)")
     parser.add_argument("--streams", default="1,4", help="concurrent streams to run, e.g. 1")
+    parser.add_argument("--no-draft-prefill", action="store_true",
+                        help="skip the draft's 2k-token prefill probe (minutes on SmolLM2)")
     parser.add_argument("--mlx-lm", action="store_true",
                         help="also mlx_lm server --draft-model on the same prompts")
     args = parser.parse_args()
@@ -236,7 +257,7 @@ def main() -> None:
     if args.mlx_lm:
         rows += mlx_lm_rows(model, draft, prompts, args.max_tokens, streams)
     tables = report(rows, {name: f.flips for name, f in figures.items()}, verify_row_cost(model),
-                    draft_prefill_s(draft))
+                    None if args.no_draft_prefill else draft_prefill_s(draft))
     if args.json:
         write_json(args.json, bench_result("speculative", tables))
 

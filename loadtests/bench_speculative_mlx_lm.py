@@ -58,7 +58,7 @@ def waves(url: str, texts: list[str], max_tokens: int, streams: int, tokenizer) 
 
 def mlx_lm_rows(model: str, draft: str, prompts: dict[str, list[tuple[int, ...]]],
                 max_tokens: int, streams: list[int]) -> list[list]:
-    """Rows like bench_speculative's: workload, streams, mode, tok/s, -, -."""
+    """Rows like bench_speculative's: workload, streams, mode, tok/s, -, -, -."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     variants = {"mlx_lm": [], "mlx_lm-draft": ["--draft-model", draft,
                                                "--num-draft-tokens", str(NUM_DRAFT_TOKENS)]}
@@ -72,7 +72,7 @@ def mlx_lm_rows(model: str, draft: str, prompts: dict[str, list[tuple[int, ...]]
                     for n in streams:
                         speeds = waves(server.url, texts, max_tokens, n, tokenizer)
                         rows.append([name, n, mode, round(statistics.median(speeds), 2),
-                                     "-", "-"])
+                                     "-", "-", "-"])
                         print("  ", *rows[-1], flush=True)
             finally:
                 server.stop()

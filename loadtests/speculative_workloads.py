@@ -4,6 +4,9 @@ prefill of a long prompt (what a decode node spends instead of receiving the dra
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import json
 import random
 import statistics
@@ -34,28 +37,57 @@ def _chat(tokenizer, text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in tokenizer.encode(templated, add_special_tokens=False))
 
 
-def python_file(seed: int, functions: int = 14) -> str:
-    """A small, plausible module: numbered helper functions with bodies that vary."""
-    rng = random.Random(seed)
-    parts = [f'"""Helpers for report {seed}."""\n\nimport math\n']
-    for i in range(functions):
-        op, k = rng.choice(["+", "-", "*"]), rng.randint(2, 9)
-        parts.append(
-            f"\n\ndef step_{i}(value, scale={k}):\n"
-            f'    """Step {i}: scale the value and round it."""\n'
-            f"    result = value {op} scale * {i + 1}\n"
-            f"    return round(math.fabs(result), {rng.randint(1, 4)})\n")
-    return "".join(parts)
+# Standard-library modules whose code is varied enough that a small model copies it: on
+# the generated, regular file this used to build, SmolLM2-135M wrote its own variations of
+# the pattern instead (40% of prompt-lookup proposals accepted), not the file.
+SOURCE_MODULES = ("textwrap", "fnmatch", "colorsys", "glob", "genericpath", "string", "shutil",
+                  "sched", "tempfile", "reprlib", "linecache", "copy", "statistics", "difflib",
+                  "posixpath", "random", "tokenize", "inspect", "ast", "csv", "argparse",
+                  "logging", "functools", "contextlib", "mimetypes", "platform", "traceback",
+                  "uuid", "warnings", "zipapp", "calendar", "pprint")
+FILE_TOKENS = (1000, 1600)  # a code-edit prompt's file: at least, at most (SmolLM2's tokens)
+
+
+def _top_level_blocks(source: str) -> list[tuple[str, str | None]]:
+    """The module's top-level statements after its docstring: (source, its def's name)."""
+    lines = source.splitlines(keepends=True)
+    blocks = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and not blocks:
+            continue  # the module docstring
+        start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        name = node.name if isinstance(node, ast.FunctionDef | ast.ClassDef) else None
+        blocks.append(("".join(lines[start - 1 : node.end_lineno]), name))
+    return blocks
+
+
+def source_file(tokenizer, module: str) -> tuple[str, str]:
+    """A real module's first ``FILE_TOKENS`` tokens of code, whole statements, and a function or
+    class defined in it (the one to rename)."""
+    parts, functions, used = [], [], 0
+    for block, name in _top_level_blocks(inspect.getsource(importlib.import_module(module))):
+        size = len(tokenizer.encode(block, add_special_tokens=False))
+        if used >= FILE_TOKENS[0]:
+            break
+        if used + size > FILE_TOKENS[1]:
+            continue  # a class too long for the file: the statements after it
+        parts.append(block)
+        functions += [name] if name else []
+        used += size
+    if not functions:
+        raise ValueError(f"{module}: no def in its first {FILE_TOKENS[1]} tokens")
+    return "\n\n".join(parts), functions[len(functions) // 2]
 
 
 def code_edit_prompts(tokenizer_dir: str, count: int) -> list[tuple[int, ...]]:
+    """A Python file in the prompt, the reply asked to be the whole file with one rename."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = []
-    for seed in range(count):
-        source = python_file(seed)
-        ask = (f"Here is a Python file:\n\n```python\n{source}```\n\nRewrite the whole file "
-               f"with `step_{seed % 10}` renamed to `stage_{seed % 10}`. Reply with the "
-               "complete file only.")
+    for module in SOURCE_MODULES[:count]:
+        source, function = source_file(tokenizer, module)
+        ask = (f"Here is a Python file:\n\n```python\n{source}\n```\n\nRewrite the whole file "
+               f"with `{function}` renamed to `{function}_v2`. Reply with the complete file "
+               "only.")
         prompts.append(_chat(tokenizer, ask))
     return prompts
 

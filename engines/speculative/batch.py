@@ -18,6 +18,7 @@ output distribution is the target's. Every token is emitted as its own event.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from engines.speculative.verify import settle_groups, supports_speculation, veri
 from mlxcel_plugin.engine_api import ModelInfo
 from mlxcel_plugin.speculative.group_rule import capped, group_width
 from mlxcel_plugin.speculative.settings import MethodCounts, SpeculativeConfig, SpeculativeStats
+from mlxcel_plugin.speculative.step_cost import StepCost
 
 # (sequence, one logits row) -> True while the sequence goes on: samples, emits.
 AdvanceOne = Callable[[Sequence, np.ndarray], bool]
@@ -55,6 +57,7 @@ class SpeculativeBatch(DecodeBatch):
         self._widths: list[int] = []
         self._drafted = False  # the draft proposed this step: its K/V to settle
         self._tally: dict[str, MethodCounts] = {}
+        self.cost = StepCost(config.verify_row_cost, config.learn_row_cost)  # rows, timed
         self.stats = SpeculativeStats()  # replaced whole: other threads read it
         self.emitted = 0  # tokens the last step emitted
 
@@ -87,24 +90,32 @@ class SpeculativeBatch(DecodeBatch):
         sequences = self.sequences
         counts = self._group_caps(self._offers(sequences)) if self.enabled else []
         self._proposals = self._fill(sequences, counts) if any(counts) else []
+        started = time.perf_counter()
         if not any(self._proposals):
             self._proposals = [[] for _ in sequences]
             self._widths = []
-            return [row[None] for row in self.step()]
+            rows = [row[None] for row in self.step()]
+            self.cost.record(len(sequences), time.perf_counter() - started)
+            return rows
         rows, self._widths = verify_rows(self.model, self._head, self._groups, self._proposals,
                                          self.before_group)
+        fed = sum(n * w for n, w in zip(self.group_sizes, self._widths, strict=True))
+        self.cost.record(fed, time.perf_counter() - started)
         return rows
 
     def _offers(self, sequences: list[Sequence]) -> list[int]:
         """Tokens each sequence would verify this step (prompt lookup's found already)."""
-        self._ngram, counts = {}, []
+        self._ngram, counts, row_cost = {}, [], self.cost.row_cost
         for sequence in sequences:
             plan = self._plans[sequence.request_id]
-            limit = plan.limit(sequence)
-            if limit and not plan.drafts:
-                found = self._ngram[sequence.request_id] = self._propose(sequence, plan, limit)
-                limit = len(found)
-            counts.append(limit)
+            plan.controller.row_cost = row_cost
+            if plan.drafts or not plan.active:
+                counts.append(plan.limit(sequence))
+                continue
+            most = plan.most(sequence)  # the n-gram's size, once found, decides how many
+            found = self._propose(sequence, plan, most) if most else []
+            self._ngram[sequence.request_id] = found
+            counts.append(len(found))
         return counts
 
     def _propose(self, sequence: Sequence, plan: SequencePlan, limit: int) -> list[int]:
@@ -117,9 +128,12 @@ class SpeculativeBatch(DecodeBatch):
         caps, start = [], 0
         for size in self.group_sizes:
             mine = counts[start : start + size]
-            rates = [self._plans[s.request_id].controller.rate
-                     for s in self.sequences[start : start + size]]
-            caps += capped(mine, group_width(rates, mine, self.config.verify_row_cost))
+            if size == 1:  # alone: its own rule, whose probes are how it learns its rate
+                caps += mine
+            else:
+                rates = [self._plans[s.request_id].controller.rate
+                         for s in self.sequences[start : start + size]]
+                caps += capped(mine, group_width(rates, mine, self.cost.row_cost))
             start += size
         return caps
 

@@ -43,18 +43,26 @@ class SequencePlan:
     def drafts(self) -> bool:
         return self.active and self.method == METHOD_DRAFT
 
-    def limit(self, sequence: Any) -> int:
-        """Most tokens to propose this step (called once per step; none past ``max_tokens``:
-        the verify row yields one more)."""
+    def limit(self, sequence: Any, kind: int = 0) -> int:
+        """Most tokens to propose this step for a proposal of ``kind`` (called once per step
+        that could propose; none past ``max_tokens``: the verify row yields one more)."""
         if not self.active:
             return 0
-        limit = self.controller.proposal_limit()
+        return min(self.controller.proposal_limit(kind), self.most(sequence))
+
+    def most(self, sequence: Any) -> int:
+        """The cap before adapting: ``num_speculative_tokens``, and none past ``max_tokens``."""
+        if not self.active:
+            return 0
+        most = self.controller.k_max
         if sequence.steps_left is not None:
-            limit = min(limit, sequence.steps_left - 1)
-        return max(0, limit)
+            most = min(most, sequence.steps_left - 1)
+        return max(0, most)
 
     def ngram_proposals(self, sequence: Any, limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed an earlier match of the context's end."""
+        """Up to ``limit`` tokens that followed an earlier match of the context's end, fewer
+        (or none) where matches of that n-gram size have been accepted less."""
         prompt = len(sequence.request.prompt_tokens) if sequence.request is not None else 0
         self.index.extend(sequence.generated[len(self.index) - prompt :])
-        return self.index.propose(limit)
+        size, found = self.index.lookup(limit)
+        return found[: self.limit(sequence, size)] if found else []

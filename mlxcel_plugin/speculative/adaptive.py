@@ -4,13 +4,14 @@ With a per-token acceptance rate ``a`` and ``k`` proposals, a verify step yields
 ``(1 - a**(k+1)) / (1 - a)`` tokens on average and costs ``1 + row_cost * k`` plain
 steps; the controller picks the ``k`` that yields the most tokens per cost, and 0
 (a plain step) when no ``k`` beats one token per step. Switched off, it probes again
-after a back-off that doubles each time a probe fails. Pure: no clock, no RNG, so
-every node holding the same tokens makes the same choices.
+after a back-off that doubles each time a probe fails. Each kind of proposal (for
+prompt lookup: the matched n-gram's size) keeps its own rate and back-off. Pure: no
+clock, no RNG; the cost of a row is the caller's (``step_cost.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Old verify steps weigh this much less each step: the rate follows what the text does now.
 DECAY = 0.8
@@ -35,41 +36,67 @@ def best_k(rate: float, k_max: int, row_cost: float) -> int:
 
 
 @dataclass
-class AdaptiveController:
-    """One sequence's acceptance and its on/off state."""
+class _Trials:
+    """Decayed accept/reject counts of one kind of proposal, and its on/off state."""
 
-    k_max: int
-    row_cost: float
-    adaptive: bool = True
-    accepted: float = PRIOR_ACCEPTED  # decayed counts of the accept/reject trials
+    accepted: float = PRIOR_ACCEPTED
     trials: float = PRIOR_TRIALS
     backoff_steps: int = FIRST_BACKOFF_STEPS
     off_steps_left: int = 0
 
+
+@dataclass
+class AdaptiveController:
+    """One sequence's acceptance, per kind of proposal, and its on/off state.
+
+    A kind is what a proposal's quality depends on: for prompt lookup the size of the
+    matched n-gram (on SmolLM2's code edits 1-gram matches were accepted 20%, 4-gram
+    matches 81%), so a short match proposes less, or nothing, while long ones propose
+    the most; a draft's proposals are all kind 0. ``proposal_limit(kind)`` makes
+    ``kind`` this step's: ``rate`` and ``observe`` apply to it.
+    """
+
+    k_max: int
+    row_cost: float
+    adaptive: bool = True
+    kind: int = 0  # this step's kind of proposal
+    _kinds: dict[int, _Trials] = field(default_factory=dict)
+
+    @property
+    def _now(self) -> _Trials:
+        return self._kinds.setdefault(self.kind, _Trials())
+
     @property
     def rate(self) -> float:
-        return self.accepted / self.trials
+        return self._now.accepted / self._now.trials
 
-    def proposal_limit(self) -> int:
-        """Tokens to propose this step (called once per step)."""
+    @property
+    def off_steps_left(self) -> int:
+        return self._now.off_steps_left
+
+    def proposal_limit(self, kind: int = 0) -> int:
+        """Tokens to propose this step (called once per step that could propose)."""
+        self.kind = kind
         if not self.adaptive:
             return self.k_max
-        if self.off_steps_left > 0:
-            self.off_steps_left -= 1
+        now = self._now
+        if now.off_steps_left > 0:
+            now.off_steps_left -= 1
             return 0
         return max(1, best_k(self.rate, self.k_max, self.row_cost))  # on: at least a probe
 
     def observe(self, proposed: int, accepted: int) -> None:
-        """A verify step's outcome: ``accepted`` of ``proposed`` tokens were the target's."""
+        """This step's outcome: ``accepted`` of ``proposed`` tokens were the target's."""
         if proposed <= 0:
             return
+        now = self._now
         rejected = 1 if accepted < proposed else 0  # verification stops at the first miss
-        self.accepted = DECAY * self.accepted + accepted
-        self.trials = DECAY * self.trials + accepted + rejected
+        now.accepted = DECAY * now.accepted + accepted
+        now.trials = DECAY * now.trials + accepted + rejected
         if not self.adaptive:
             return
         if best_k(self.rate, self.k_max, self.row_cost) == 0:
-            self.off_steps_left = self.backoff_steps
-            self.backoff_steps = min(2 * self.backoff_steps, MAX_BACKOFF_STEPS)
+            now.off_steps_left = now.backoff_steps
+            now.backoff_steps = min(2 * now.backoff_steps, MAX_BACKOFF_STEPS)
         elif accepted:
-            self.backoff_steps = FIRST_BACKOFF_STEPS
+            now.backoff_steps = FIRST_BACKOFF_STEPS

@@ -38,13 +38,17 @@ class NgramIndex:
 
     def propose(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the longest earlier match of the context's end."""
+        return self.lookup(limit)[1]
+
+    def lookup(self, limit: int) -> tuple[int, list[int]]:
+        """(the matched n-gram's size, up to ``limit`` tokens that followed it); (0, []): none."""
         end = len(self.tokens)
         if limit <= 0:
-            return []
+            return 0, []
         for n in self.sizes:
             if n > end:
                 continue
             start = self._after.get(tuple(self.tokens[end - n : end]))
             if start is not None:
-                return self.tokens[start : start + limit]
-        return []
+                return n, self.tokens[start : start + limit]
+        return 0, []

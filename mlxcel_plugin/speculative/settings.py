@@ -29,9 +29,13 @@ class SpeculativeConfig:
     # Shortest n-gram tried (1: one repeated token is enough to propose).
     ngram_min: int = 1
     # Cost of one more verified row, as a fraction of a plain decode step; the adaptive
-    # rule weighs it against the acceptance rate. A setting, not a live timing, so every
-    # node makes the same choices (loadtests/bench_speculative.py measures it).
+    # rule weighs it against the acceptance rate. With ``learn_row_cost`` only until the
+    # node has timed its own forwards (loadtests/bench_speculative.py measures it too).
     verify_row_cost: float = 0.1
+    # Time this node's decode forwards and weigh a verified row by what it costs here (a
+    # CPU pays far more per row than a GPU). Proposal counts then differ between nodes;
+    # greedy and seeded tokens do not. False: ``verify_row_cost`` as set, on every node.
+    learn_row_cost: bool = True
     # Per sequence, turn speculation down (fewer tokens) or off when it would be slower; per
     # batch group, propose no deeper than the group's extra rows pay for.
     adaptive: bool = True
