@@ -2,20 +2,18 @@
 
 Why: MLX keeps freed buffers for reuse up to its cache limit. A decode node's
 received K/V land in MLX allocations (``kv_convert.kv_buffers``), and memory
-fresh from the OS costs a page fault per page on first touch (~0.6 s per GiB
-here even with huge pages, against ~0.25 s for the link's own work), so the
-limit is the **receive pool**'s (``[engine] receive_pool_bytes``, auto: at
-most 2 GiB and a quarter of the KV budget: ``pool.receive_pool_bytes_for``):
-a finished handoff's buffers stay faulted in for the next one (sizes on a
-grid: ``received_layer.room_grid``). Never the whole KV budget: after a
-benchmark a decode node holding that much of a 135M model's memory sat at
-4.3 GB RSS. MLX frees anything beyond the limit at once. What it keeps stays
-warm while the node serves:
-once the engine has had nothing to do for ``IDLE_RELEASE_S`` it only asks
-glibc to return freed heap pages (``give_back_to_os``). It used to empty
-MLX's cache too, so a decode node that waited out a long prefill took the
-handoff into fresh pages (first-touch faults cost ~2.7 s per GiB here, ten
-times the link's own work).
+fresh from the OS costs a page fault per page on first touch (0.4-7 CPU-s per
+GiB here: 4 KiB pages, or huge pages the kernel compacts memory for; the link's
+own work is ~0.3 s). So the limit is the **receive pool**'s (``[engine]
+receive_pool_bytes``, auto: at most 2 GiB and a quarter of the KV budget:
+``pool.receive_pool_bytes_for``): a finished handoff's buffers stay faulted in
+for the next one (sizes on a grid: ``received_layer.room_grid``). Never the
+whole KV budget: after a benchmark a decode node holding that much of a 135M
+model's memory sat at 4.3 GB RSS. MLX frees anything beyond the limit at once.
+What it keeps stays warm while the node serves: once the engine has had
+nothing to do for ``IDLE_RELEASE_S`` it only asks glibc to return freed heap
+pages (``give_back_to_os``). It used to empty MLX's cache too, so a decode node
+that waited out a long prefill took the handoff into fresh pages.
 """
 
 from __future__ import annotations
