@@ -6,7 +6,10 @@ ASGI app in front of them reads a generation request's body once, picks the app
 by the body's ``model`` and replays the body to it. A body without a ``model``
 goes to the default (first) model; a LoRA adapter's name to the pool whose nodes
 hold it; an unknown one to the default app too, which checks the API key and then
-answers OpenAI's 404 ``model_not_found``.
+answers OpenAI's 404 ``model_not_found``. ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` go to the pool their body's ``base_model_name`` names, else
+to the pool serving ``lora_name``, else to the default pool; no pool may load an adapter
+named as another model or as another pool's adapter (each name routes to one pool).
 ``/v1/models`` and ``/metrics`` merge every model's answer; other GET routes
 (``/router/stats``) take ``?model=NAME`` and default to the first model.
 """
@@ -14,8 +17,9 @@ answers OpenAI's 404 ``model_not_found``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -35,17 +39,21 @@ MODEL_ROUTES = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/responses",
     "/v1/messages", "/v1/messages/count_tokens",
 ))  # fmt: skip
+# The POST routes whose body names an adapter (and, optionally, its base).
+ADAPTER_ROUTES = frozenset(("/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
 # A body this big is parsed for its model in a worker thread: the loop serves other streams.
 OFF_LOOP_BYTES = 256 * 1024
 
 
-def _model_of(raw: bytes) -> str | None:
+def _names_in(raw: bytes) -> dict[str, str]:
+    """The body's top-level string fields (none for a bad body: its model's front answers)."""
     try:
         body = json.loads(raw)
     except ValueError:
-        return None  # the model's front answers the bad body with its own error
-    model = body.get("model") if isinstance(body, dict) else None
-    return model if isinstance(model, str) else None
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    return {key: value for key, value in body.items() if isinstance(value, str)}
 
 
 def model_cards(bodies: list[bytes]) -> list[dict[str, Any]]:
@@ -94,6 +102,10 @@ class ModelDispatcher:
         self.apps = dict(apps)
         self.default = next(iter(self.apps))
         self.max_request_bytes = max_request_bytes
+        for name, app in self.apps.items():
+            routes = getattr(app.state, "adapter_routes", None)
+            if routes is not None:
+                routes.served_elsewhere = partial(self.served_elsewhere, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -101,7 +113,9 @@ class ModelDispatcher:
         elif scope["type"] != "http":
             await self.apps[self.default](scope, receive, send)
         elif scope["method"] == "POST" and scope["path"] in MODEL_ROUTES:
-            await self._by_body(scope, receive, send)
+            await self._by_body(scope, receive, send, self._model_app)
+        elif scope["method"] == "POST" and scope["path"] in ADAPTER_ROUTES:
+            await self._by_body(scope, receive, send, self._adapter_app)
         elif scope["method"] == "GET" and scope["path"] == "/v1/models":
             await self._merged(scope, send, self._merge_models)
         elif scope["method"] == "GET" and scope["path"] == "/metrics":
@@ -123,7 +137,25 @@ class ModelDispatcher:
                 return app
         return self.apps[self.default]
 
-    async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def served_elsewhere(self, pool: str, name: str) -> str | None:
+        """The other model (or the pool of the adapter) serving ``name``, beside ``pool``."""
+        if name in self.apps and name != pool:
+            return name
+        return next((other for other, app in self.apps.items()
+                     if other != pool and name in app.state.front.adapters), None)  # fmt: skip
+
+    def _model_app(self, body: dict[str, str]) -> FastAPI:
+        return self.app_for(body.get("model"))
+
+    def _adapter_app(self, body: dict[str, str]) -> FastAPI:
+        """An adapter's load or unload: the pool of its base, else the one serving it."""
+        base = body.get("base_model_name")
+        if base is not None:  # an unknown base: the default app answers 404 after the key
+            return self.apps.get(base, self.apps[self.default])
+        return self.app_for(body.get("lora_name"))  # a model's name: its pool says no
+
+    async def _by_body(self, scope: Scope, receive: Receive, send: Send,
+                       pick: Callable[[dict[str, str]], FastAPI]) -> None:  # fmt: skip
         try:
             raw = await read_body(Request(scope, receive), self.max_request_bytes)
         except ClientDisconnect:
@@ -132,10 +164,10 @@ class ModelDispatcher:
             await error_response(exc)(scope, receive, send)
             return
         if len(raw) < OFF_LOOP_BYTES:
-            model = _model_of(raw)
+            body = _names_in(raw)
         else:
-            model = await anyio.to_thread.run_sync(_model_of, raw)
-        await self.app_for(model)(scope, _replay(raw, receive), send)
+            body = await anyio.to_thread.run_sync(_names_in, raw)
+        await pick(body)(scope, _replay(raw, receive), send)
 
     def _by_query(self, scope: Scope) -> str:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+from router_plugin.http.adapters_api import install_adapter_routes
 from router_plugin.http.backend import LocalEngineBackend
 from router_plugin.http.front import make_app
 from router_plugin.http.merged_metrics import merge_expositions
@@ -54,8 +55,9 @@ async def test_each_model_is_served_by_its_own_app(text_tokenizer, make_engine) 
             assert reply["choices"][0]["message"]["content"] == f"from {name}"
         default = (await _chat(client, None)).json()
         assert default["model"] == "alpha"  # no model: the first one
-        completion = await client.post("/v1/completions",
-                                       json={"model": "beta", "prompt": "x", "max_tokens": 4})
+        completion = await client.post(
+            "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 4}
+        )
         assert completion.json()["choices"][0]["text"] == "from beta"
 
 
@@ -75,6 +77,72 @@ async def test_an_adapter_goes_to_the_pool_of_its_base(text_tokenizer, make_engi
     assert reply["model"] == "beta-lora"
     assert reply["choices"][0]["message"]["content"] == "from beta"
     assert {"id": "beta-lora", "parent": "beta"}.items() <= cards[-1].items()
+
+
+class PoolAdapters:
+    """A pool's adapter manager: what it loaded, as its nodes' announcements would show."""
+
+    def __init__(self, front: Any, base: str):
+        self.front, self.base, self.calls = front, base, []
+
+    async def load(self, name: str, path: str) -> dict[str, Any]:
+        self.calls.append(("load", name))
+        self.front.adapters[name] = self.base
+        return {"digest": "d"}
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        self.calls.append(("unload", name))
+        self.front.adapters.pop(name)
+        return {"nodes": ["n"]}
+
+
+def _with_adapter_routes(dispatcher: ModelDispatcher) -> tuple[ModelDispatcher, dict]:
+    """The same pools with load/unload routes, under a dispatcher that knows them."""
+    managers = {}
+    for name, app in dispatcher.apps.items():
+        managers[name] = PoolAdapters(app.state.front, name)
+        install_adapter_routes(app, None, name, managers[name])
+    return ModelDispatcher(dispatcher.apps, max_request_bytes=1 << 20), managers
+
+
+async def test_load_and_unload_reach_the_pool_of_the_base(text_tokenizer, make_engine) -> None:
+    dispatcher, managers = _with_adapter_routes(_dispatcher(text_tokenizer, make_engine))
+    async with _client(dispatcher) as client:
+        loaded = await client.post("/v1/load_lora_adapter", json={
+            "lora_name": "sql", "lora_path": "/a", "base_model_name": "beta"})  # fmt: skip
+        reply = (await _chat(client, "sql")).json()
+        unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        gone = await _chat(client, "sql")
+    assert loaded.json()["status"] == "loaded"
+    assert reply["choices"][0]["message"]["content"] == "from beta"
+    assert unloaded.json()["nodes"] == ["n"]
+    assert managers["beta"].calls == [("load", "sql"), ("unload", "sql")]
+    assert managers["alpha"].calls == []
+    assert gone.status_code == 404
+
+
+async def test_adapter_names_stay_unique_across_pools(text_tokenizer, make_engine) -> None:
+    dispatcher, managers = _with_adapter_routes(
+        _dispatcher(text_tokenizer, make_engine, api_keys=frozenset({"k"}))
+    )
+    dispatcher.apps["alpha"].state.front.adapters["taken"] = "alpha"
+    bodies = {  # body -> (status, the error's param or code)
+        ("alpha", "beta"): (400, "lora_name"),  # another model's name
+        ("taken", "beta"): (400, "lora_name"),  # another pool's adapter
+        ("new", "gamma"): (404, "model_not_found"),  # no such base
+    }
+    async with _client(dispatcher) as client:
+        guarded = await client.post("/v1/load_lora_adapter", json={
+            "lora_name": "new", "lora_path": "/a", "base_model_name": "gamma"})  # fmt: skip
+    async with _client(dispatcher, authorization="Bearer k") as client:
+        for (name, base), (status, what) in bodies.items():
+            refused = await client.post("/v1/load_lora_adapter", json={
+                "lora_name": name, "lora_path": "/a", "base_model_name": base})  # fmt: skip
+            error = refused.json()["error"]
+            assert (refused.status_code, what) == (status, error["param"] if status == 400
+                                                   else error["code"]), name  # fmt: skip
+    assert guarded.status_code == 401  # the key first: nothing learnt about which bases exist
+    assert managers["alpha"].calls == managers["beta"].calls == []
 
 
 async def test_models_and_metrics_cover_every_model(text_tokenizer, make_engine) -> None:
