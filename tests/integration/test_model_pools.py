@@ -1,7 +1,9 @@
 """One router over several models (``[models.NAME]`` pools), each with its own prefill and decode
 node, driven with the ``openai`` SDK: each request is served by its model's pool, with the
 text a hybrid node of that model gives; an unknown model gets 404 ``model_not_found``;
-``/v1/models`` and ``/metrics`` cover every model.
+``/v1/models`` and ``/metrics`` cover every model. An adapter loaded through the router
+with ``base_model_name`` is served by its base's pool (the text of a hybrid node with the same
+adapter), listed with its parent, refused to another pool, and 404 once unloaded.
 
 The pools: two tiny checkpoints of different architectures (llama, qwen3) and, when this
 module's ``smollm2`` test is selected, SmolLM2-135M with a seeded LoRA adapter given at start
@@ -29,6 +31,7 @@ TINY = ("tiny-llama", "tiny-qwen3")
 SMOL, SMOL_ADAPTER = "smollm2", "smol-a"
 SMOL_PROMPT = [1, 504, 3000, 28, 7, 95, 42, 17]  # token ids: the engine test's prompt
 SMOL_STEPS = 8
+LORA_POOL, LORA = "tiny-qwen3", "qwen-a"  # the pool whose nodes take adapters at run time
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -38,8 +41,8 @@ def smollm2_selected(request: pytest.FixtureRequest) -> bool:
                if item.path == request.path)  # fmt: skip
 
 
-def write_smol_adapter(model_path: Path, out: Path) -> Path:
-    """A seeded adapter for SmolLM2 (the model loaded lazily: only its shapes are read)."""
+def write_adapter(model_path: Path, out: Path) -> Path:
+    """A seeded adapter for a checkpoint (loaded lazily: only its shapes are read)."""
     from mlx_lm.utils import load
 
     from engines.lora.random_adapter import write_random_adapter
@@ -66,16 +69,26 @@ def fused_text(model_path: Path, adapter: Path) -> str:
 
 
 def engine_node(role: str, workdir: Path, name: str, args: list[str]) -> NodeProcess:
-    return start_node(role, workdir, [*args, "--no-warmup"],
-                      serving_bind=f"{LOOPBACK}:{free_port()}", name=f"{role}-{name}")
+    return start_node(
+        role,
+        workdir,
+        [*args, "--no-warmup"],
+        serving_bind=f"{LOOPBACK}:{free_port()}",
+        name=f"{role}-{name}",
+    )
 
 
 def pools_toml(models: dict[str, str], nodes: dict[str, list[NodeProcess]]) -> str:
     lines = []
     for name, model in models.items():
         prefill, decode = (n.serving_bind for n in nodes[name])
-        lines += [f"[models.{name}]", f'model = "{model}"',
-                  f'prefill_peers = ["{prefill}"]', f'decode_peers = ["{decode}"]', ""]
+        lines += [
+            f"[models.{name}]",
+            f'model = "{model}"',
+            f'prefill_peers = ["{prefill}"]',
+            f'decode_peers = ["{decode}"]',
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -85,13 +98,16 @@ def cluster(tiny_model_path: Path, tmp_path_factory, request):
     from tests.conftest import model_cache_root
 
     root = tmp_path_factory.mktemp("model-pools")
-    models = {"tiny-llama": str(tiny_model_path),
-              "tiny-qwen3": str(ensure_arch_model("qwen3", root=model_cache_root()))}
+    models = {
+        "tiny-llama": str(tiny_model_path),
+        "tiny-qwen3": str(ensure_arch_model("qwen3", root=model_cache_root())),
+    }
     extra: dict[str, list[str]] = {name: [] for name in models}
+    extra[LORA_POOL] = ["--enable-lora"]
     reference: dict[str, str] = {}
     if smollm2_selected(request):
         models[SMOL] = str(request.getfixturevalue("smollm2_model_path"))
-        adapter = write_smol_adapter(Path(models[SMOL]), root / "adapter")
+        adapter = write_adapter(Path(models[SMOL]), root / "adapter")
         extra[SMOL] = [f"--adapter={SMOL_ADAPTER}={adapter}"]
     secret = root / "cluster.secret"
     generate_secret_file(secret)
@@ -116,6 +132,7 @@ def cluster(tiny_model_path: Path, tmp_path_factory, request):
             reference[SMOL_ADAPTER] = fused_text(Path(models[SMOL]), adapter)
         for node in started:
             node.wait_healthy(STARTUP_TIMEOUT_S)
+        reference[LORA] = str(write_adapter(Path(models[LORA_POOL]), root / LORA))
         yield router, hybrids, list(models), reference
     finally:
         for node in reversed(started):
@@ -176,3 +193,27 @@ def test_smollm2_and_its_adapter_through_their_pool(cluster) -> None:
     adapted = completion_text(router.url, SMOL_ADAPTER)
     assert adapted == reference[SMOL_ADAPTER] == completion_text(hybrid, SMOL_ADAPTER)
     assert adapted != completion_text(router.url, SMOL)
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=REQUEST_TIMEOUT_S)
+
+
+def test_an_adapter_loaded_through_the_router_is_served_by_its_base_pool(cluster) -> None:
+    router, hybrids, _, reference = cluster
+    load = {"lora_name": LORA, "lora_path": reference[LORA], "base_model_name": LORA_POOL}
+    loaded = post(router.url, "/v1/load_lora_adapter", load)
+    assert loaded.status_code == 200, loaded.text
+    assert len(loaded.json()["nodes"]) == 2  # the pool's prefill and decode node
+    assert post(hybrids[LORA_POOL].url, "/v1/load_lora_adapter", load).status_code == 200
+    assert wait_for_card(router.url, LORA)["parent"] == LORA_POOL
+    adapted = greedy_text(router.url, LORA)
+    assert adapted == greedy_text(hybrids[LORA_POOL].url, LORA)
+    assert adapted != greedy_text(router.url, LORA_POOL)
+    elsewhere = post(router.url, "/v1/load_lora_adapter", {**load, "base_model_name": TINY[0]})
+    assert (elsewhere.status_code, elsewhere.json()["error"]["param"]) == (400, "lora_name")
+    unloaded = post(router.url, "/v1/unload_lora_adapter", {"lora_name": LORA})
+    assert len(unloaded.json()["nodes"]) == 2, unloaded.text
+    with pytest.raises(openai.NotFoundError) as refused:
+        greedy_text(router.url, LORA)
+    assert refused.value.code == "model_not_found"
