@@ -123,7 +123,8 @@ class LeaderEngine(_RankEngine):
         self._step_tokens = []
         super()._decode_step()
         self._quiet = self._commands.empty() and self._has_work()
-        send_tokens(self.group, self._step_tokens, self._quiet)  # [] when the step failed
+        # [] when the step failed; the row cost: the followers propose as this rank does
+        send_tokens(self.group, self._step_tokens, self._quiet, self._batch.cost.row_cost)
 
     def _advance(self, sequence: Any, logits: np.ndarray) -> bool:
         going = super()._advance(sequence, logits)
@@ -191,11 +192,12 @@ class _LeaderTokens:
         self._tokens: list[int] | None = None
         self._next = 0
         self.quiet = False
+        self.row_cost: float | None = None  # the leader's, for the next step
 
     def take(self) -> list[int]:
         if self._tokens is None:
-            tokens, self.quiet = receive_step(self._group)
-            self._tokens = tokens or []
+            step = receive_step(self._group)
+            self._tokens, self.quiet, self.row_cost = step.tokens or [], step.quiet, step.row_cost
         return self._tokens
 
     def sample(self, _logits: np.ndarray, _position: int) -> int:
@@ -217,6 +219,8 @@ class FollowerEngine(_RankEngine):
 
     def __init__(self, model: nn.Module, info: ModelInfo, config: EngineConfig, group: Group):
         super().__init__(model, info, config, group)
+        # Speculation's row cost: the leader's, from its first step (the prior) on.
+        self._batch.cost.follow(config.speculative.verify_row_cost)
         self._diverged: ShardDiverged | None = None
         self._quiet = False  # the leader's last step said: no commands next iteration
 
@@ -274,3 +278,5 @@ class FollowerEngine(_RankEngine):
         if len(script.take()) != script._next:
             raise ShardDiverged("the leader's step has more tokens than this rank's batch")
         self._quiet = script.quiet
+        if script.row_cost is not None:  # its own timings would make other proposals
+            self._batch.cost.follow(script.row_cost)

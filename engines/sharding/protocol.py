@@ -5,7 +5,10 @@ prefill, decode with the whole received K/V, cancel), then ``END`` (or
 ``STOP`` when the engine closes); after each prefill the first token (or
 ``FAILED``), after each decode step the step's tokens. A step's tokens may
 say ``quiet``: the next iteration takes no commands, so sends no ``END``
-(a command arriving meanwhile waits one iteration). Everything else a
+(a command arriving meanwhile waits one iteration), and carry the leader's
+``row_cost``: the cost of a verified row its speculation rules use next (learned
+from its own timings; a follower proposing by its own would feed forwards of
+other widths). Everything else a
 rank does (which sequences join which group, when one ends) follows from
 these, as the engine's code is the same on every rank; sampling happens only
 on the leader. Messages are JSON (arrays go as collectives of their own):
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -37,6 +40,14 @@ END = b""  # the most frequent message: one collective of an empty frame
 STOP = b'{"op":"stop"}'
 FAILED = b'{"op":"failed"}'
 Group = mx.distributed.Group
+
+
+class LeaderStep(NamedTuple):
+    """A step's or a prefill's tokens as a follower receives them."""
+
+    tokens: list[int] | None  # None: the leader's own run failed
+    quiet: bool = False  # the next iteration has no commands and no ``END``
+    row_cost: float | None = None  # the leader's speculation row cost for the next step
 
 
 class ShardDiverged(EngineError):
@@ -113,12 +124,16 @@ def send_failed(group: Group) -> None:
     broadcast_bytes(group, FAILED)
 
 
-def send_tokens(group: Group, tokens: list[int], quiet: bool = False) -> None:
+def send_tokens(group: Group, tokens: list[int], quiet: bool = False,
+                row_cost: float | None = None) -> None:
     """A prefill's first token or a step's tokens; ``quiet``: the next iteration has no
-    commands and no ``END`` (saves a collective per decode step)."""
+    commands and no ``END`` (saves a collective per decode step); ``row_cost``: what the
+    leader's speculation weighs a verified row at next (JSON keeps a float exactly)."""
     message: dict[str, Any] = {"op": "tokens", "tokens": tokens}
     if quiet:
         message["quiet"] = True
+    if row_cost is not None:
+        message["row_cost"] = row_cost
     broadcast_bytes(group, _dumps(message))
 
 
@@ -147,18 +162,19 @@ def receive(group: Group) -> Received:
     return op, message
 
 
-def receive_step(group: Group) -> tuple[list[int] | None, bool]:
-    """A step's or a prefill's tokens (None where the leader's own run failed), and quiet."""
+def receive_step(group: Group) -> LeaderStep:
+    """A step's or a prefill's tokens (None where the leader's own run failed)."""
     op, message = receive(group)
     if op == "failed":
-        return None, False
+        return LeaderStep(None)
     if op != "tokens":
         raise ShardDiverged(f"expected the leader's tokens, got {op!r}")
-    return [int(t) for t in message["tokens"]], bool(message.get("quiet"))
+    return LeaderStep([int(t) for t in message["tokens"]], bool(message.get("quiet")),
+                      message.get("row_cost"))
 
 
 def receive_tokens(group: Group) -> list[int] | None:
-    return receive_step(group)[0]
+    return receive_step(group).tokens
 
 
 def receive_config(group: Group) -> EngineConfig:

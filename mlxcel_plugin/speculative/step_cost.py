@@ -9,6 +9,10 @@ fits ``time = fixed + per_row * rows``: ``row_cost = per_row / (fixed + per_row)
 cost of one more row as a fraction of a one-row forward. Until two row counts have
 been timed a few times each, the configured ``verify_row_cost`` stands. Pure: the
 caller passes the seconds it measured.
+
+A tensor-parallel follower rank must propose exactly what its leader does (every rank
+runs the same forwards): it learns nothing itself and takes the leader's cost after each
+step (``follow``; engines/sharding/).
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class StepCost:
     prior_row_cost: float  # ``[speculative] verify_row_cost``: until timings say otherwise
     learn: bool = True
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    _leader_row_cost: float | None = None  # a follower rank's: what its leader uses
+
+    def follow(self, leader_row_cost: float) -> None:
+        """From now on the cost is the leader's (a follower rank; it times nothing)."""
+        self.learn = False
+        self._leader_row_cost = leader_row_cost
 
     def record(self, rows: int, seconds: float) -> None:
         """One forward of ``rows`` rows (all groups of a step) took ``seconds``."""
@@ -55,6 +65,8 @@ class StepCost:
     @property
     def row_cost(self) -> float:
         """One more row, as a fraction of a one-row forward."""
+        if self._leader_row_cost is not None:
+            return self._leader_row_cost
         fit = self._fit()
         if fit is None:
             return self.prior_row_cost

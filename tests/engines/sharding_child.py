@@ -4,11 +4,14 @@
 set and rank 1 running ``engines.sharding.follower``) prints one JSON object:
 the tokens of each case on the unsharded engine, the sharded one, and across
 them (sharded prefill -> unsharded decode, and the reverse), plus how close
-the two engines' first-token logits and handed-off K/V are.
+the two engines' first-token logits and handed-off K/V are; and the greedy
+requests again with prompt lookup, while rank 0 times its forwards as dearer
+per row than rank 1 can (its learned row cost is what both ranks must use).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
@@ -64,6 +67,29 @@ def ranks_stay_in_step(engine) -> list[list[int]]:
     return [after.wait() and after.tokens, [cancelled.last.finish_reason]]
 
 
+def dear_rows(seconds_per_row: float = 1.0):
+    """Rank 0's forwards timed as ``rows - 0.8`` s: a learned row cost of 4 one-row forwards
+    (the most), which rank 1, timing its own, would never learn: proposals would differ."""
+    def record(record_real):
+        return lambda rows, _seconds: record_real(rows, seconds_per_row * rows - 0.8)
+    return record
+
+
+def speculating(engine, plain, replies: list[list[int]]) -> dict:
+    """Prompt lookup on prompts that hold their own reply (prompt, reply, prompt again: the
+    lookup finds what followed), one by one and together; the plain engine's tokens beside."""
+    echoes = [GenerationRequest(f"n{i}", (*p, *reply, *p), MAX_TOKENS, SamplingParams(
+        speculative="ngram")) for i, (p, reply) in enumerate(zip(PROMPTS, replies, strict=False))]
+    out = {"plain": [support.generate(plain, r).tokens for r in echoes],
+           "alone": [support.generate(engine, r).tokens for r in echoes],
+           "together": together(engine, [dataclasses.replace(r, request_id=r.request_id + "b")
+                                         for r in echoes])}
+    counts = engine.stats().speculative.methods.get("ngram")
+    out["proposed"] = counts.proposed if counts else 0
+    out["leader_row_cost"] = engine.leader._batch.cost.row_cost
+    return out
+
+
 def max_kv_gap(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x.keys, np.float32) - np.asarray(y.keys,
                                                                               np.float32))))
@@ -75,6 +101,8 @@ def main() -> None:
     plain = MlxEngine.from_path(sys.argv[1], config)
     plain.start()
     sharded = make_mlx_engine(sys.argv[1], config)
+    cost = sharded.leader._batch.cost
+    cost.record = dear_rows()(cost.record)
     sharded.start()
     out: dict = {"ranks": sharded.ranks,
                  "fingerprint_equal": sharded.info.fingerprint == plain.info.fingerprint}
@@ -87,6 +115,8 @@ def main() -> None:
         out["plain_to_sharded"] = [support.decode_after(sharded, r, support.prefill(plain, r))
                                    for r in requests("ps")]
         out["in_step_after_cancels"] = ranks_stay_in_step(sharded)
+        out["speculating"] = speculating(sharded, plain, out["plain"])
+        out["after_speculating"] = support.generate(sharded, requests("a")[0]).tokens
         probe = requests("k")[1]
         out["kv_max_abs_gap"] = max_kv_gap(support.prefill(plain, probe),
                                            support.prefill(sharded, probe))

@@ -132,7 +132,7 @@ def test_commands_reach_a_follower_as_sent(ring: FakeRing):
                     Decode(REQUEST, 42, CacheState([layer]), print), Cancel("r1")):
         sharding_protocol.send_command(None, command)
     sharding_protocol.send_tokens(None, [5, 6])
-    sharding_protocol.send_tokens(None, [8], quiet=True)
+    sharding_protocol.send_tokens(None, [8], quiet=True, row_cost=0.1 + 0.2)
     sharding_protocol.send_end(None, True)
     sharding_protocol.send_end(None, False)
     ring.leading = False
@@ -144,8 +144,9 @@ def test_commands_reach_a_follower_as_sent(ring: FakeRing):
     assert np.array_equal(np.array(got.keys), layer.keys) and got.kind == "KVCache"
     assert np.array_equal(np.array(got.extra["k.scales"]), layer.extra["k.scales"])
     assert sharding_protocol.receive(None) == ("cancel", {"request_id": "r1"})
-    assert sharding_protocol.receive_step(None) == ([5, 6], False)
-    assert sharding_protocol.receive_step(None) == ([8], True)  # no END next iteration
+    assert sharding_protocol.receive_step(None) == ([5, 6], False, None)
+    # No END next iteration; the leader's speculation row cost, to the last bit.
+    assert sharding_protocol.receive_step(None) == ([8], True, 0.1 + 0.2)
     assert [sharding_protocol.receive(None)[0] for _ in range(2)] == ["end", "stop"]
 
 

@@ -69,6 +69,19 @@ def test_a_failing_consumer_and_a_cancel_keep_the_ranks_in_step(ranks_run):
     assert after == out["plain"][2]  # a forward out of step would garble or hang this
 
 
+def test_a_follower_proposes_what_the_leader_does_with_a_learned_row_cost(ranks_run):
+    """Rank 0's timed forwards say a row costs 4 one-row forwards (rank 1's own would not):
+    with prompt lookup on, both ranks still feed the same forwards, so the greedy tokens are
+    the unsharded engine's and the ranks stay in step for the next request."""
+    out, _ = ranks_run
+    spec = out["speculating"]
+    assert spec["leader_row_cost"] == 4.0 and spec["proposed"] > 0
+    assert all(len(tokens) == 24 for tokens in spec["plain"])
+    assert spec["alone"] == spec["plain"]
+    assert spec["together"] == spec["plain"]
+    assert out["after_speculating"] == out["plain"][0]
+
+
 def test_gathered_kv_differs_only_by_rounding(ranks_run):
     out, _ = ranks_run
     assert out["kv_max_abs_gap"] < KV_TOLERANCE

@@ -50,3 +50,13 @@ def test_noise_is_clamped_and_learning_can_be_turned_off():
     timed(fixed, 1, 0.1)
     timed(fixed, 4, 0.4)
     assert fixed.row_cost == 0.3
+
+
+def test_a_follower_rank_uses_its_leader_s_cost_whatever_it_times():
+    follower = StepCost(prior_row_cost=0.1)
+    follower.follow(0.1)
+    timed(follower, 1, 0.100)
+    timed(follower, 5, 0.900)  # its own forwards would say 2.0 a row
+    assert follower.row_cost == 0.1 and follower.samples == {}
+    follower.follow(0.37)  # the leader's, sent with its step's tokens
+    assert follower.row_cost == 0.37
