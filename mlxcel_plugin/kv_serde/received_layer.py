@@ -17,7 +17,11 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
-from mlxcel_plugin.kv_serde.header import HandoffHeader
+from mlxcel_plugin.kv_serde.header import (
+    CHECKSUM_OF_ENCODED,
+    CHECKSUM_OF_HELD,
+    HandoffHeader,
+)
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec
 from mlxcel_plugin.kv_serde.messages import LayerDescriptor
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
@@ -81,11 +85,10 @@ class ReceivedLayer:
         return True
 
     def _tensor_crc(self, tensor: str) -> int:
-        data = memoryview(self.tensors[tensor]).cast("B")
         landed = self.landed_crcs.pop(tensor, {})
-        whole = sum(n for _, n in landed.values()) == data.nbytes
+        whole = sum(n for _, n in landed.values()) == self.tensors[tensor].nbytes
         if crc32_combine is None or not (whole or self.crc_of_bodies):
-            return crc32(data)
+            return crc32(memoryview(self.tensors[tensor]).cast("B"))  # contiguous: no room
         crc = 0
         for _, (part_crc, nbytes) in sorted(landed.items()):  # in row order
             crc = crc32_combine(crc, part_crc, nbytes)
@@ -148,11 +151,13 @@ def room_tokens(step: int, header: HandoffHeader, kind: str, descriptor: LayerDe
     """Positions to allocate a plain KVCache layer for: past its tokens, on the room grid
     (``room_grid``), so decode writes into what was received; 0: none.
 
-    Only a full handoff without checksums (v4): its chunks land in per-head pieces, which a
-    crc32 over each tensor would have to read back.
+    Only a full handoff whose checksums (if any) cover what was sent: raw bodies without
+    (v4, AES-GCM authenticates them) or a lossy codec's bodies (``checksum_of =
+    "encoded"``: combined from each body's crc as it landed). Checksums of the held bytes
+    would read back each tensor, whose chunks land in per-head pieces.
     """
-    if (not step or header.checksummed or header.prefix_tokens or kind != "KVCache"
-            or descriptor.tokens != descriptor.offset):
+    if (not step or _reads_held_bytes(header) or header.prefix_tokens
+            or kind != "KVCache" or descriptor.tokens != descriptor.offset):
         return 0
     return room_grid(descriptor.tokens + 1, step)
 
@@ -170,6 +175,13 @@ def room_grid(tokens: int, step: int) -> int:
     steps = -(-tokens // step)
     unit = 1 << max(0, steps.bit_length() - 4)  # an eighth of the octave ``steps`` is in
     return -(-steps // unit) * unit * step
+
+
+def _reads_held_bytes(header: HandoffHeader) -> bool:
+    """Whether checking this handoff's checksums reads each received tensor back: checksums
+    of the held bytes, or of the bodies where crcs cannot be combined (no ISA-L)."""
+    return (header.checksum_of == CHECKSUM_OF_HELD
+            or (header.checksum_of == CHECKSUM_OF_ENCODED and crc32_combine is None))
 
 
 def _has_room(spec: LayerSpec) -> bool:

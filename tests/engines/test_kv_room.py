@@ -19,9 +19,14 @@ import pytest
 from engines import kv_convert, kv_room
 from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.kv_serde import KVAssembler, ReceiveMemory
-from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_HELD, CHECKSUM_OF_NONE
+from mlxcel_plugin.kv_serde.header import (
+    CHECKSUM_OF_ENCODED,
+    CHECKSUM_OF_HELD,
+    CHECKSUM_OF_NONE,
+)
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
+from mlxcel_plugin.link.protocol.checksum import crc32_combine
 from mlxcel_plugin.link.protocol.frames import Frame, FrameType
 from mlxcel_plugin.nodes.kv_wire import chunk_destinations, frame_to_messages, frames_for
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header
@@ -47,15 +52,18 @@ def land(assembler: KVAssembler, frame: Frame) -> Frame:
     return dataclasses.replace(frame, body=into)
 
 
-def receive(checksum_of: str, seed: int):
+def receive(checksum_of: str, seed: int, codec: str = "none", engine: bool = True):
+    """A handoff of ``codec`` fed to an assembler with the MLX engine's buffers and adopter
+    (``engine``), else into plain numpy buffers."""
     cache = make_cache(FP, TOKENS, seed=seed)
-    header = dataclasses.replace(make_header(FP, TOKENS), checksum_of=checksum_of)
-    messages = SerializableCacheState(header, cache).to_messages(builtin_codecs()["none"],
+    header = dataclasses.replace(make_header(FP, TOKENS, codec=codec), checksum_of=checksum_of)
+    messages = SerializableCacheState(header, cache).to_messages(builtin_codecs()[codec],
                                                                  1 << 20)
     begin, *chunks, end = messages
     random.Random(seed).shuffle(chunks)
-    assembler = KVAssembler(FP, builtin_codecs(), adopt=kv_convert.adopt_layer,
-                            memory=ReceiveMemory(make_buffers=kv_convert.ReceiveBuffers()))
+    memory = ReceiveMemory(make_buffers=kv_convert.ReceiveBuffers() if engine else None)
+    assembler = KVAssembler(FP, builtin_codecs(), adopt=kv_convert.adopt_layer if engine else None,
+                            memory=memory)
     state = None
     for _, frame in frames_for([begin, *chunks, end]):
         header = msgpack.unpackb(msgpack.packb(frame.header, use_bin_type=True), raw=False)
@@ -86,6 +94,22 @@ def test_a_v4_handoff_lands_in_buffers_with_room_and_decode_writes_them_in_place
     for cache, want in zip(caches, sent.layers, strict=True):
         assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]), want.keys)
         assert np.array_equal(np.array(cache.keys[..., TOKENS, :]), np.ones((1, 8, 128)))
+
+
+@pytest.mark.skipif(crc32_combine is None, reason="body crcs are combined with ISA-L's")
+def test_an_int8_handoff_lands_in_buffers_with_room_as_its_decoded_bytes():
+    """Lossy bodies checksummed as sent (``encoded``) are decoded into per-head pieces of
+    buffers with room: the rebuilt caches hold exactly what the same handoff decodes to
+    in plain contiguous buffers, and no first-step copy is needed (room past the prompt)."""
+    _, plain, _ = receive(CHECKSUM_OF_ENCODED, seed=6, codec="int8", engine=False)
+    _, received, _ = receive(CHECKSUM_OF_ENCODED, seed=6, codec="int8")
+    caches = kv_convert.from_cache_state(received)
+    for cache, want in zip(caches, plain.layers, strict=True):
+        assert cache.offset == TOKENS and cache.keys.shape[2] == 2304  # room: 2100 -> 2304
+        assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]).view(np.uint16),
+                              want.keys.view(np.uint16))
+        assert np.array_equal(np.array(cache.values[..., :TOKENS, :]).view(np.uint16),
+                              want.values.view(np.uint16))
 
 
 @pytest.mark.parametrize("checksum_of", [CHECKSUM_OF_HELD])
