@@ -259,6 +259,13 @@ class DecodeBatch:
             group.join(arriving)
         self._groups += [_Group.of(arriving) for arriving in joining[len(self._groups) :]]
 
+    def opens_group(self, caches: list[Any], steps_left: int | None) -> bool:
+        """Whether a sequence with these caches would get a forward of its own (``add``)."""
+        lengths = [list(g.lengths) for g in self._groups]
+        cost = forward_cost_tokens(self._weights_bytes, caches)
+        target = self._pick_group(lengths, cached_tokens(caches), steps_left, cost)
+        return target == len(lengths) or not mergeable(caches)
+
     @staticmethod
     def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None,
                     forward_tokens: int = FORWARD_COST_TOKENS) -> int:

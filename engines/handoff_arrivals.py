@@ -16,6 +16,10 @@ read the same later; once the sequence has decoded in place, its buffers are its
 own and the store shares them instead of copying (``decoded_in_place``). Stores
 wait at most ``MAX_WAITING_STORES`` deep, and all of them run before a prefill,
 which may look their prompts up.
+
+A long sequence that would open a group of its own while others decode does not
+join at once: its first forward runs a slice of the model's layers after each of
+the next steps (engines/sliced_join.py), and it joins with its second token.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from mlx_lm.models.cache import KVCache
 
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.prefix.cache import SHARE_MIN_BYTES
+from engines.sliced_join import Advance, SlicedJoins
 
 Waiting = tuple[Sequence, list[Any]]  # a sequence and its caches, waiting to join
 
@@ -42,8 +47,9 @@ PromptStore = tuple[str, Any, tuple[int, ...], list[Any]]
 class HandoffArrivals:
     """The engine thread's pacing of arrival work (engine thread only)."""
 
-    def __init__(self, fit: Callable[[], None]):
+    def __init__(self, fit: Callable[[], None], sliced: SlicedJoins | None = None):
         self._fit = fit  # evicts cached prefixes past the engine's KV budget
+        self._sliced = sliced  # None: every sequence's first forward is a whole step
         self._adopted_now = False  # a handoff was adopted in this iteration while decoding
         self._joined = False  # sequences joined the batch in this iteration
         self._stores: deque[PromptStore] = deque()
@@ -61,13 +67,60 @@ class HandoffArrivals:
 
     def admit(self, waiting: deque[Waiting], batch: DecodeBatch, max_batch_size: int) -> bool:
         """Waiting sequences join ``batch``, room allowing, except in an iteration that
-        adopted a handoff (they join a step later); whether any did."""
-        room = max_batch_size - len(batch) if not self._adopted_now else 0
-        joining = [waiting.popleft() for _ in range(min(room, len(waiting)))]
+        adopted a handoff (they join a step later); whether any did. One that would open a
+        group of its own while others decode begins its sliced first forward instead, and
+        stays in ``waiting`` (counted, cancellable) until ``first_forwards`` ends it."""
+        sliced = self._sliced
+        room = max_batch_size - len(batch) - len(sliced or ()) if not self._adopted_now else 0
+        joining, staying = [], deque()
+        for sequence, caches in waiting:
+            if room <= 0 or (sliced is not None and sequence.request_id in sliced):
+                staying.append((sequence, caches))
+                continue
+            room -= 1
+            if self._slices(batch, sequence, caches):
+                sliced.begin(sequence, caches)
+                staying.append((sequence, caches))
+            else:
+                joining.append((sequence, caches))
+        waiting.clear()
+        waiting.extend(staying)
         if joining:
             batch.add([s for s, _ in joining], [c for _, c in joining])
         self._joined = bool(joining)
         return self._joined
+
+    def _slices(self, batch: DecodeBatch, sequence: Sequence, caches: list[Any]) -> bool:
+        """Whether this sequence's first forward is sliced: streams decode and it would be a
+        forward of its own (engines/sliced_join.py)."""
+        return (self._sliced is not None and len(batch) > 0 and self._sliced.takes(caches)
+                and batch.opens_group(caches, sequence.steps_left))
+
+    def first_forwards(self, waiting: deque[Waiting], batch: DecodeBatch, advance: Advance,
+                       store_finished: Callable[[set[int]], None] | None) -> int:
+        """One slice of each sliced first forward, after the step; a sequence whose last slice
+        ran takes its token (``advance``: sample, emit) and joins ``batch``, or ends (its K/V
+        kept through ``store_finished``, given where finished sequences' replies are kept)."""
+        if not self._sliced or self._adopted_now:  # an adoption's iteration: no slice too
+            return 0
+        # As a join: no prompt store in this iteration (nor a copy of caches half stepped:
+        # a store after the join shares them).
+        self._joined = True
+        done = self._sliced.step({s.request_id for s, _ in waiting}, batch.before_group)
+        ended = {forward.sequence.request_id for forward, _ in done}
+        if ended:
+            kept = [w for w in waiting if w[0].request_id not in ended]
+            waiting.clear()
+            waiting.extend(kept)
+        for forward, row in done:
+            sequence = forward.sequence
+            going = advance(sequence, row)
+            batch.add([sequence], [forward.caches])
+            if not going:
+                if store_finished is not None:
+                    store_finished({index_of(sequence, batch)})
+                batch.remove({sequence.request_id})
+        return len(done)
 
     def store_later(self, request_id: str, prefix: Any, tokens: tuple[int, ...],
                     caches: list[Any]) -> None:
@@ -112,6 +165,10 @@ class HandoffArrivals:
         if stores:
             self._fit()
         return len(stores)
+
+
+def index_of(sequence: Sequence, batch: DecodeBatch) -> int:
+    return next(i for i, s in enumerate(batch.sequences) if s is sequence)
 
 
 def decoded_in_place(caches: list[Any], prompt_tokens: int) -> bool:

@@ -43,6 +43,7 @@ from engines.prefill import Prefilled, prefill_request, prepare_prefills
 from engines.prefix.cache import PrefixCache
 from engines.prefix.splice import handoff_caches
 from engines.request_rules import SpeedMeter, check_request, finish_reason
+from engines.sliced_join import sliced_joins
 from engines.speculative.batch import SpeculativeBatch
 from mlxcel_plugin.engine_api import (
     FINISH_CANCELLED,
@@ -81,8 +82,8 @@ class MlxEngine:
         # Engine-thread state.
         self._prefills: deque[Generate | Prefill] = deque()
         self._waiting: deque[tuple[Sequence, list[Any]]] = deque()
-        self._arrivals = HandoffArrivals(self._fit_prefix_cache)  # spread over iterations
         self._batch, self._speed = SpeculativeBatch(model, config.speculative, info), SpeedMeter()
+        self._arrivals = HandoffArrivals(self._fit_prefix_cache, sliced_joins(model, self._batch))
         self.kv_buffers = kv_convert.ReceiveBuffers()  # received K/V land in MLX (engine_api)
         self._engine_stream: mx.Stream | None = None  # the engine thread's, set as it starts
         self._prefix = PrefixCache.for_model(model, self.config)
@@ -170,6 +171,8 @@ class MlxEngine:
             self._prefill_next()
             self._arrivals.admit(self._waiting, self._batch, self.config.max_batch_size)
             self._decode_step()
+            finished = self._store_finished if self._prefix.reuse_generated else None
+            self._arrivals.first_forwards(self._waiting, self._batch, self._advance, finished)
             self._arrivals.after_step(self._batch, self._waiting)
             self._update_stats()
         self._cancel_everything()

@@ -81,6 +81,11 @@ class SpeculativeBatch(DecodeBatch):
             self._draft.keep_only(going)
 
     @property
+    def drafts(self) -> bool:
+        """Whether a draft model proposes (it joins a sequence on its context so far)."""
+        return self._draft is not None
+
+    @property
     def nbytes(self) -> int:
         """K/V held, the draft's included (the engine's KV budget counts both)."""
         return super().nbytes + (self._draft.nbytes if self._draft is not None else 0)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from engines.handoff_arrivals import MAX_WAITING_STORES, HandoffArrivals, decoded_in_place
@@ -138,14 +139,18 @@ def test_caches_decoded_in_place_are_shared_others_copied():
     assert engine.prefix.stored == [((1, 2, 3), 0)]
 
 
-def test_a_handoff_joining_a_running_stream_decodes_and_is_cached_as_at_once(tiny_model_path):
-    """Sliced adoption on the tiny model: the stream's and the handoff's tokens match their
+@pytest.mark.parametrize("handed_tokens", [6, 2])  # 2: it ends at its (sliced) first forward
+def test_a_handoff_joining_a_running_stream_decodes_and_is_cached_as_at_once(
+    tiny_model_path, handed_tokens
+):
+    """Paced adoption on the tiny model (its first forward in slices of layers, after the
+    stream's steps): the stream's and the handoff's tokens match their
     runs alone, and the prompt's entry holds the bytes the prefill computed, in the very
     buffers the sequence decoded into (a view with room past the prompt, not a copy)."""
     decode, prefill = make_engine(tiny_model_path, 1 << 30), make_engine(tiny_model_path, 0)
     try:
         stream = GenerationRequest("stream", tokens(40, seed=3), 24)
-        handed = GenerationRequest("handed", tokens(600, seed=4), 6)
+        handed = GenerationRequest("handed", tokens(600, seed=4), handed_tokens)
         alone = [support.generate(prefill, r).tokens for r in (stream, handed)]
         result = support.prefill(prefill, handed)
         running = support.Events()
@@ -153,6 +158,7 @@ def test_a_handoff_joining_a_running_stream_decodes_and_is_cached_as_at_once(tin
         wait_for_tokens(running, 2)
         assert support.decode_after(decode, handed, result) == alone[1]
         assert running.wait() and running.tokens == alone[0]
+        assert decode._arrivals._sliced.begun == 1  # its first forward ran in slices
         assert reserve_prefix(decode, "probe", handed.prompt_tokens, 512)
         pin = decode._prefix._pins["probe"]
         for held, sent in zip(pin.caches, result.cache.layers, strict=True):
