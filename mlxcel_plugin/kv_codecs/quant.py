@@ -79,9 +79,11 @@ from mlxcel_plugin.kv_codecs.floats import finite_max, from_float32, round_down,
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
 from mlxcel_plugin.kv_codecs.quant_blocks import (
     BlockCursor,
+    PieceRows,
     block_starts,
     blocks,
     column_extent,
+    cut_at,
     place_rows,
 )
 from mlxcel_plugin.kv_codecs.quant_decode import dequantize, needs_clip, restore
@@ -269,7 +271,14 @@ class GroupQuantCodec:
                     dtype: str) -> None:
         """``decode`` straight into ``out`` ([rows, head_dim], the storage dtype): the
         receiver's own rows, so no fresh array is faulted in and copied (``KVCodec``)."""
-        rows, head_dim = out.shape
+        self.decode_into_pieces(data, meta, [out], dtype)
+
+    def decode_into_pieces(self, data: Buffer, meta: Mapping[str, Any],
+                           pieces: list[np.ndarray], dtype: str) -> bool:
+        """``decode_into`` rows that sit in ``pieces`` back to back (a receive buffer with
+        room: one per head), each block straight into its piece; False (nothing written)
+        where the chunk's blocks cannot be cut at the pieces' edges (``cut_at``)."""
+        rows, head_dim = sum(len(p) for p in pieces), pieces[0].shape[1]
         count = rows * head_dim
         fmt = ChunkFormat.from_meta(meta, head_dim)
         scale_dtype = self._scale_dtype(meta, dtype)
@@ -282,18 +291,23 @@ class GroupQuantCodec:
         self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
+        out = PieceRows(pieces)
+        starts = cut_at(block_starts(fmt, rows, head_dim), fmt, rows, head_dim, out.firsts)
+        if starts is None:
+            return False
         used = BlockCursor()
-        decoded_bits = np.dtype(f"<u{out.dtype.itemsize}")
-        for block in blocks(fmt, rows, head_dim, block_starts(fmt, rows, head_dim)):
+        decoded_bits = np.dtype(f"<u{pieces[0].dtype.itemsize}")
+        for block in blocks(fmt, rows, head_dim, starts):
             exact_part, group_part, code_part = used.advance(block, head_dim)
             block_minimums = minimums[group_part] if minimums is not None else None
             values = dequantize(codes[code_part], block.groups, scales[group_part],
                                 block_minimums, head_dim)
             decoded = restore(values, fmt.rotation, clip, dtype)
-            target, exact_rows = out[block.start : block.stop], exact_values[exact_part]
+            target, exact_rows = out.rows(block.start, block.stop), exact_values[exact_part]
             if decoded.dtype.kind == "u":  # the storage's bits: copy them as bits
                 target, exact_rows = target.view(decoded_bits), exact_rows.view(decoded_bits)
             place_rows(target, block.exact, exact_rows, decoded)
+        return True
 
     def _sections(
         self,

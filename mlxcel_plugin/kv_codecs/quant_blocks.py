@@ -17,6 +17,7 @@ Encoding and decoding walk the same ``blocks``; ``BlockCursor`` finds each one's
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterator
 
@@ -44,6 +45,34 @@ def block_starts(fmt: ChunkFormat, rows: int, head_dim: int) -> list[int]:
             break
         starts.append(int(candidates[reach]))
     return starts
+
+
+def cut_at(starts: list[int], fmt: ChunkFormat, rows: int, head_dim: int,
+           cuts: list[int]) -> list[int] | None:
+    """``starts`` with rows ``cuts`` added (where the receive buffer's pieces begin: a
+    buffer with room, one piece per head), so that no block spans two pieces; None where a
+    cut is not a group boundary of the chunk (or int4 codes would not pack per block)."""
+    cuts = [cut for cut in cuts if 0 < cut < rows]
+    if not cuts:
+        return starts
+    if head_dim % 2 or (fmt.along_tokens
+                        and not np.isin(cuts, _group_boundaries(fmt, rows)).all()):
+        return None
+    return sorted({*starts, *cuts})
+
+
+class PieceRows:
+    """Rows ``[start, stop)`` of pieces that sit back to back (``[n, width]`` each), for a
+    block that lies within one piece (``cut_at``)."""
+
+    def __init__(self, pieces: list[np.ndarray]):
+        self.pieces = pieces
+        self.firsts = np.cumsum([0, *(len(p) for p in pieces[:-1])]).tolist()
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        index = bisect.bisect_right(self.firsts, start) - 1
+        first = self.firsts[index]
+        return self.pieces[index][start - first : stop - first]
 
 
 @dataclasses.dataclass(frozen=True)

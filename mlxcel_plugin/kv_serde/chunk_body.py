@@ -34,6 +34,8 @@ def decode_chunk_into(
     if len(pieces) == 1:  # rows of the [kv_heads * tokens, head_dim] view: one byte range
         _decode_rows(codec, chunk, body, pieces[0], spec)
         return
+    if spec.coded and _decoded_into_pieces(codec, chunk, body, pieces, spec):
+        return
     # A buffer with room: decoded whole, then copied per head. This thread's scratch, not a
     # fresh array: fresh pages fault on first touch (~2.7 s per GiB here).
     rows = scratch("chunk_body.rows", (chunk.rows, spec.width), tensor.dtype)
@@ -42,6 +44,21 @@ def decode_chunk_into(
     for piece in pieces:
         piece[...] = rows[at : at + len(piece)]
         at += len(piece)
+
+
+def _decoded_into_pieces(codec: KVCodec, chunk: ChunkHeader, body: Any,
+                         pieces: list[np.ndarray], spec: ArraySpec) -> bool:
+    """The codec's ``decode_into_pieces`` where it has one: each head's rows decoded where
+    they belong, no copy; False where it has none or cannot cut this chunk there."""
+    into = getattr(codec, "decode_into_pieces", None)
+    if into is None:
+        return False
+    try:
+        return bool(into(body, chunk.codec_meta, pieces, spec.dtype))
+    except HandoffError:
+        raise
+    except Exception as exc:  # a plugin codec's own failure fails this handoff only
+        raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
 
 
 def _decode_rows(codec: KVCodec, chunk: ChunkHeader, body: Any, rows: np.ndarray,

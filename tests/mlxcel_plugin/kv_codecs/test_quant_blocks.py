@@ -107,3 +107,35 @@ def test_blocks_narrowing_their_scales_unlike_fall_back_to_one_pass(monkeypatch)
 def test_no_block_is_a_sliver():
     fmt = GroupQuantCodec(8).chunk_format(HEAD_DIM, ChunkLayout("v", 6144, 0))
     assert block_starts(fmt, 6144, HEAD_DIM) == [0, 2048, 4096]
+
+
+def head_pieces(buffer: np.ndarray, tokens: int, first: int, rows: int) -> list[np.ndarray]:
+    """Rows of a chunk as a buffer with room holds them: one piece per head, each its own
+    span of ``buffer`` ([heads, room, head_dim]) with room after the head's tokens."""
+    pieces, row = [], first
+    while row < first + rows:
+        head, token = divmod(row, tokens)
+        n = min(first + rows - row, tokens - token)
+        pieces.append(buffer[head, token : token + n])
+        row += n
+    return pieces
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "k-tail"])  # over several heads
+def test_decoding_into_per_head_pieces_writes_the_bytes_a_contiguous_decode_does(name, bits):
+    """A receive buffer with room takes a chunk's rows head by head: each block is decoded
+    into its own head's piece (cut at head boundaries), the bytes a contiguous decode gives;
+    the room past each head's tokens is never written."""
+    tensor, tokens, first, rows = LAYOUTS[name]
+    codec = GroupQuantCodec(bits)
+    array = loud_rows(rows, "bfloat16", seed=bits)
+    body, meta = codec.encode(array, "bfloat16", ChunkLayout(tensor, tokens, first))
+    want = codec.decode(body, meta, array.shape, "bfloat16")
+    heads = (first + rows - 1) // tokens + 1
+    buffer = np.full((heads, tokens + 256, HEAD_DIM), 0xABCD, dtype=want.dtype)
+    pieces = head_pieces(buffer, tokens, first, rows)
+    assert len(pieces) > 1
+    assert codec.decode_into_pieces(body, meta, pieces, "bfloat16")
+    assert np.concatenate(pieces).tobytes() == want.tobytes()
+    assert (buffer[:, tokens:] == 0xABCD).all()
