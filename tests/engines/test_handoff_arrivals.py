@@ -13,10 +13,17 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from engines.handoff_arrivals import MAX_WAITING_STORES, HandoffArrivals, decoded_in_place
+from engines.mlx_engine import MlxEngine
 from engines.prefix.cache import SHARE_MIN_BYTES
-from mlxcel_plugin.engine_api import GenerationRequest, release_prefix, reserve_prefix
+from mlxcel_plugin.engine_api import (
+    EngineConfig,
+    GenerationRequest,
+    PrefixCacheConfig,
+    release_prefix,
+    reserve_prefix,
+)
 from tests.engines import support
-from tests.engines.prefix.test_cache import make_engine, tokens
+from tests.engines.prefix.test_cache import CHUNK, make_engine, tokens
 
 
 @dataclass
@@ -165,6 +172,30 @@ def test_a_handoff_joining_a_running_stream_decodes_and_is_cached_as_at_once(
             assert held.keys.shape[2] > 512  # the sequence's own buffer, shared
             assert np.array_equal(np.array(held.keys[..., :512, :]), sent.keys[..., :512, :])
         release_prefix(decode, "probe")
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_sliced_handoff_that_ends_at_its_first_forward_keeps_its_reply(tiny_model_path):
+    """``reuse_generated``: a handoff ending at its sliced first forward is kept as a finished
+    sequence is (its prompt and first token), so its next turn reuses one token more."""
+    prefix = PrefixCacheConfig(max_bytes=1 << 30, reuse_generated=True)
+    config = EngineConfig(chunk_size_tokens=CHUNK, prefix_cache=prefix)
+    decode = MlxEngine.from_path(str(tiny_model_path), config)
+    decode.start()
+    prefill = make_engine(tiny_model_path, 0)
+    try:
+        stream = GenerationRequest("stream", tokens(40, seed=3), 24)
+        handed = GenerationRequest("handed", tokens(600, seed=4), 2)
+        result = support.prefill(prefill, handed)
+        running = support.Events()
+        decode.generate(stream, running)
+        wait_for_tokens(running, 2)
+        replied = support.decode_after(decode, handed, result)
+        assert decode._arrivals._sliced.begun == 1 and running.wait()
+        turn = GenerationRequest("next", handed.prompt_tokens + tuple(replied) + tokens(20, 5), 2)
+        assert support.generate(decode, turn).events[0].cached_tokens == 600 + 1
     finally:
         decode.close()
         prefill.close()
