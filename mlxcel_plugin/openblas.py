@@ -20,15 +20,20 @@ rotation is a matmul of 64-value blocks). Its worker threads spin on
 burned as much CPU as the decoding itself, beside the link's thread and MLX.
 ``limit_numpy_blas`` gives NumPy's copy one thread (measured: same wall time
 or less, half the CPU) and leaves the OpenBLAS under MLX as it is.
+``mlx_blas_threads`` lowers the threads of the BLAS under MLX for one forward
+(a speculative verify of a few rows: docs/speculative.md#the-cost-of-a-verified-row).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +135,30 @@ def limit_numpy_blas(threads: int = 1) -> int:
     logger.debug("NumPy's BLAS: %d librar%s capped at %d thread(s)", capped,
                  "y" if capped == 1 else "ies", threads)
     return capped
+
+
+@functools.cache
+def _mlx_blas() -> tuple[Any, ...]:
+    """threadpoolctl's controllers of the BLAS libraries here but NumPy's own (found once)."""
+    from threadpoolctl import ThreadpoolController
+
+    return tuple(library for library in ThreadpoolController().select(user_api="blas")
+                 .lib_controllers if not _is_numpy_own(os.path.realpath(library.filepath or "")))
+
+
+@contextlib.contextmanager
+def mlx_blas_threads(threads: int) -> Iterator[None]:
+    """At most ``threads`` threads in the BLAS under MLX inside the block (nothing to do
+    where MLX runs its bundled BLAS); each library's own count after it."""
+    lowered = [(library, library.num_threads) for library in _mlx_blas()
+               if library.num_threads > threads]
+    for library, _ in lowered:
+        library.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        for library, before in lowered:
+            library.set_num_threads(before)
 
 
 def blas_in_process() -> list[dict[str, object]]:

@@ -19,7 +19,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
+from mlxcel_plugin.openblas import mlx_blas_threads
+
 PAD_TOKEN = 0
+# OpenBLAS threads for a verify forward. Its products have a few rows each (1 + k per
+# sequence): memory-bound like a one-row step, where splitting them buys little and
+# every split waits for the slowest worker; on cores shared with other work a worker is
+# often descheduled. SmolLM2-135M, 1.5k context, 2 cores at load ~10: 5 rows took
+# 1195 ms with OpenBLAS's 2 threads, 245 ms with 1 (a one-row step: 227 ms).
+VERIFY_BLAS_THREADS = 1
 
 
 def supports_speculation(model: nn.Module) -> bool:
@@ -56,7 +64,8 @@ def verify_rows(model: nn.Module, head: Callable | None, groups: list[Any],
     # Only the rows a sequence verifies reach the vocabulary projection (not the padding).
     flat = flat[mx.array(verified_rows(widths, [len(p) for p in proposals], groups))]
     logits = (flat if head is None else head(flat)).astype(mx.float32)
-    mx.eval(logits)
+    with mlx_blas_threads(VERIFY_BLAS_THREADS):
+        mx.eval(logits)
     table = np.array(logits)
     ends = np.cumsum([1 + len(p) for p in proposals])
     return [table[end - 1 - len(p) : end] for end, p in zip(ends, proposals, strict=True)], widths

@@ -98,3 +98,29 @@ def test_numpy_blas_gets_one_thread_and_a_preloaded_openblas_keeps_its_own():
             assert threads == found["before"][path] == 2
     if library is not None:
         assert len(found["after"]) == 2
+
+
+MLX_BLAS_THREADS_PROBE = """
+import json
+from threadpoolctl import threadpool_info
+from mlxcel_plugin import openblas
+def counts():
+    return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+before = counts()
+with openblas.mlx_blas_threads(1):
+    inside = counts()
+print(json.dumps({"before": before, "inside": inside, "after": counts()}))
+"""
+
+
+@pytest.mark.skipif(openblas.find_openblas() is None, reason="no OpenBLAS to preload here")
+def test_the_blas_under_mlx_runs_one_thread_inside_the_block_and_its_own_after():
+    library = openblas.find_openblas()
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "LD_PRELOAD": library}
+    done = subprocess.run([sys.executable, "-c", MLX_BLAS_THREADS_PROBE], env=env, check=True,
+                          capture_output=True, text=True, timeout=120)
+    found = json.loads(done.stdout)
+    mlx_blas = [path for path in found["before"] if "numpy" not in path]
+    assert mlx_blas and all(found["before"][path] == 2 for path in mlx_blas)
+    assert all(found["inside"][path] == 1 for path in mlx_blas)
+    assert found["after"] == found["before"]  # NumPy's own untouched throughout
