@@ -5,6 +5,7 @@ prefill of a long prompt (what a decode node spends instead of receiving the dra
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import json
@@ -19,6 +20,8 @@ from transformers import AutoTokenizer
 from engines.decode_batch import vocab_head
 from engines.model_loader import load_mlx_model
 from engines.speculative.draft_batch import prefill_draft
+from engines.speculative.verify import VERIFY_BLAS_THREADS
+from mlxcel_plugin.openblas import mlx_blas_threads
 
 TOPICS = [
     "the moon", "bread baking", "volcanoes", "chess openings", "honey bees", "glaciers",
@@ -131,25 +134,32 @@ def chat_prompts(tokenizer_dir: str, count: int) -> list[tuple[int, ...]]:
     return [_chat(tokenizer, f"Tell me something surprising about {topic}.") for topic in topics]
 
 
-def _forward_s(model, cache, width: int, repeats: int) -> float:
+def _forward_s(model, cache, width: int) -> float:
+    """A one-row step as plain decoding runs it; more rows as a verify does (one BLAS thread)."""
     inputs = mx.array([[17] * width], dtype=mx.uint32)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    threads = mlx_blas_threads(VERIFY_BLAS_THREADS) if width > 1 else contextlib.nullcontext()
+    start = time.perf_counter()
+    with threads:
         mx.eval(model(inputs, cache=cache))
-        times.append(time.perf_counter() - start)
-        for layer in cache:
-            layer.trim(width)
-    return statistics.median(times)
+    seconds = time.perf_counter() - start
+    for layer in cache:
+        layer.trim(width)
+    return seconds
 
 
 def verify_row_cost(model_path: str, context: int = 512, repeats: int = 30) -> dict[int, float]:
-    """Time of a forward of 1..8 rows over ``context`` cached tokens, over a one-row step's."""
+    """Time of a forward of 1..8 rows over ``context`` cached tokens, over a one-row step's
+    (the widths interleaved, so a change of load weighs on each alike)."""
     model = load_mlx_model(model_path)[0]
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(100, 100 + context))], dtype=mx.uint32), cache=cache))
-    one = _forward_s(model, cache, 1, repeats)
-    return {w: _forward_s(model, cache, w, repeats) / one for w in (1, 2, 3, 5, 8)}
+    widths = (1, 2, 3, 5, 8)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(repeats):
+        for width in widths:
+            times[width].append(_forward_s(model, cache, width))
+    one = statistics.median(times[1])
+    return {w: statistics.median(found) / one for w, found in times.items()}
 
 
 def draft_prefill_s(model_path: str, tokens: int = 2048, repeats: int = 3) -> tuple[float, int]:
