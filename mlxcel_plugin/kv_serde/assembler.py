@@ -205,9 +205,9 @@ class KVAssembler:
             return None
         try:
             chunk = ChunkHeader.from_dict(raw)
-            layer = self._checked_chunk(chunk, chunk.nbytes)
-            spec = self._spec(chunk)
-            landing = landing_for(self._codec, chunk, layer.tensors[chunk.tensor], spec)
+            layer, spec = self._checked_chunk(chunk, chunk.nbytes), self._spec(chunk)
+            landing = landing_for(self._codec, chunk, layer.tensors[chunk.tensor], spec,
+                                  self.memory)
             if landing is None and chunk.nbytes != chunk.rows * spec.row_bytes:
                 return None  # not a raw body: feed refuses it
             self._claim(chunk, layer)

@@ -29,6 +29,7 @@ from mlxcel_plugin.kv_serde.chunk_body import decode_chunk_into
 from mlxcel_plugin.kv_serde.errors import OversizeDeclared
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
 from mlxcel_plugin.kv_serde.messages import ChunkHeader
+from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 
 # (layer, tensor, first row): a chunk's place in its handoff.
 ChunkKey = tuple[int, str, int]
@@ -56,13 +57,14 @@ class LandedDecode:
         self.done = True
 
 
-def landing_for(codec: KVCodec, chunk: ChunkHeader, tensor: np.ndarray,
-                spec: ArraySpec) -> LandedDecode | None:
+def landing_for(codec: KVCodec, chunk: ChunkHeader, tensor: np.ndarray, spec: ArraySpec,
+                memory: ReceiveMemory | None = None) -> LandedDecode | None:
     """A coded chunk's body buffer and decode; None where the body lands raw in its rows.
 
     The buffer is allocated before any byte arrives, so its size (the peer's
     claim) is bounded by what the chunk's rows hold raw: no codec of ours emits
     more, and rows are claimed once each, so a handoff's buffers stay within its budget.
+    It comes from ``memory``'s pool where there is one (``ReceiveMemory.body``).
     """
     if not spec.coded or isinstance(codec, IdentityCodec) or not chunk.nbytes:
         return None
@@ -70,7 +72,8 @@ def landing_for(codec: KVCodec, chunk: ChunkHeader, tensor: np.ndarray,
     if chunk.nbytes > raw_bytes + raw_bytes // 8 + _SLACK_BYTES:
         raise OversizeDeclared(f"{codec.name} chunk of {chunk.nbytes} bytes for "
                                f"{raw_bytes} raw bytes")
-    body = memoryview(np.empty(chunk.nbytes, dtype=np.uint8)).cast("B")
+    buffer = (memory or ReceiveMemory()).body(chunk.nbytes)
+    body = memoryview(buffer).cast("B")
     key = (chunk.layer, chunk.tensor, chunk.row)
     return LandedDecode(key, body, partial(_decode, codec, chunk, tensor, spec))
 

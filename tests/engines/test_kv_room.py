@@ -24,6 +24,7 @@ from mlxcel_plugin.kv_serde.header import (
     CHECKSUM_OF_HELD,
     CHECKSUM_OF_NONE,
 )
+from mlxcel_plugin.kv_serde.pool import BufferPool
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.checksum import crc32_combine
@@ -52,16 +53,17 @@ def land(assembler: KVAssembler, frame: Frame) -> Frame:
     return dataclasses.replace(frame, body=into)
 
 
-def receive(checksum_of: str, seed: int, codec: str = "none", engine: bool = True):
+def receive(checksum_of: str, seed: int, codec: str = "none", engine: bool = True,
+            pool: BufferPool | None = None):
     """A handoff of ``codec`` fed to an assembler with the MLX engine's buffers and adopter
-    (``engine``), else into plain numpy buffers."""
+    (``engine``), else into plain numpy buffers; coded bodies land in ``pool``'s slabs."""
     cache = make_cache(FP, TOKENS, seed=seed)
     header = dataclasses.replace(make_header(FP, TOKENS, codec=codec), checksum_of=checksum_of)
     messages = SerializableCacheState(header, cache).to_messages(builtin_codecs()[codec],
                                                                  1 << 20)
     begin, *chunks, end = messages
     random.Random(seed).shuffle(chunks)
-    memory = ReceiveMemory(make_buffers=kv_convert.ReceiveBuffers() if engine else None)
+    memory = ReceiveMemory(pool, kv_convert.ReceiveBuffers() if engine else None)
     assembler = KVAssembler(FP, builtin_codecs(), adopt=kv_convert.adopt_layer if engine else None,
                             memory=memory)
     state = None
@@ -109,6 +111,25 @@ def test_an_int8_handoff_lands_in_buffers_with_room_as_its_decoded_bytes():
         assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]).view(np.uint16),
                               want.keys.view(np.uint16))
         assert np.array_equal(np.array(cache.values[..., :TOKENS, :]).view(np.uint16),
+                              want.values.view(np.uint16))
+
+
+@pytest.mark.skipif(crc32_combine is None, reason="body crcs are combined with ISA-L's")
+def test_coded_bodies_land_in_the_receive_pools_warm_slabs_and_decode_the_same():
+    """An int8 chunk's body is decrypted into a pool slab (warm from the last handoff), not
+    fresh memory; a second handoff reuses the first one's slabs and still holds exactly the
+    bytes its plain decode gives."""
+    pool = BufferPool(64 << 20)
+    receive(CHECKSUM_OF_ENCODED, seed=7, codec="int8", pool=pool)
+    held = pool.held_bytes
+    assert held and pool.reused == 0
+    _, received, _ = receive(CHECKSUM_OF_ENCODED, seed=8, codec="int8", pool=pool)
+    _, plain, _ = receive(CHECKSUM_OF_ENCODED, seed=8, codec="int8", engine=False)
+    assert pool.reused > 0 and pool.held_bytes == held
+    for got, want in zip(kv_convert.from_cache_state(received), plain.layers, strict=True):
+        assert np.array_equal(np.array(got.keys[..., :TOKENS, :]).view(np.uint16),
+                              want.keys.view(np.uint16))
+        assert np.array_equal(np.array(got.values[..., :TOKENS, :]).view(np.uint16),
                               want.values.view(np.uint16))
 
 
