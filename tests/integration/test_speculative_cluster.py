@@ -2,8 +2,9 @@
 node and on a prefill + decode cluster: the same replies through the openai SDK, and the
 same speculation choices.
 
-With one request at a time the adaptive rule is a pure function of the tokens, so the
-decode node proposes, accepts and rejects exactly what the hybrid node does; equal
+With one request at a time and the row cost fixed (``learn_row_cost = false``: learned,
+each node weighs rows by its own timings) the adaptive rule is a pure function of the
+tokens, so the decode node proposes, accepts and rejects exactly what the hybrid node does; equal
 ``mlxcel:spec_*`` counters show it, beside equal replies (greedy and seeded, streamed
 and not, a request that turns speculation off, requests that ask for the draft: the
 decode node prefills the draft itself from the handed-off prompt). The router's
@@ -28,7 +29,7 @@ MODEL = "tiny"
 REPEATED = " ".join(["def add(a, b):\n    return a + b\n"] * 6)
 PROMPTS = [REPEATED, "the fox ran over the hill and " * 8, "List the numbers: 1, 2, 3,",
            "Edit the function:\n" + REPEATED]
-SPEC_TOML = '[speculative]\nmethod = "ngram"\n'
+SPEC_TOML = '[speculative]\nmethod = "ngram"\nlearn_row_cost = false\n'
 pytestmark = pytest.mark.timeout(900)
 
 
