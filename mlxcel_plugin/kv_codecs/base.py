@@ -108,7 +108,10 @@ class KVCodec(Protocol):
 
         A codec may also offer ``decode_into(data, meta, out, dtype)``, writing the rows
         into ``out`` (a C-contiguous ``[rows, width]`` array of the storage dtype, the
-        receive buffer itself): the receiver then uses it instead, saving a copy.
+        receive buffer itself): the receiver then uses it instead, saving a copy. And
+        ``decode_into_pieces(data, meta, pieces, dtype) -> bool``: the rows in several such
+        arrays back to back (a buffer with room: one per head), False (nothing written)
+        where it cannot; without it those rows are decoded into scratch and copied.
 
         Decodes run on the receiving link's bulk thread as each chunk lands, several
         at once (one per lane), each into rows of its own: a codec must be safe to

@@ -26,8 +26,15 @@ class TokenSpan:
     exact: int  # leading tokens of each head sent unquantized
 
     def positions(self, rows: int) -> np.ndarray:
-        """The token index (within its head) of each row."""
-        return (self.first + np.arange(rows, dtype=np.int64)) % self.tokens
+        """The token index (within its head) of each row: ``(first + row) % tokens``, built
+        from ranges (an integer ``%`` per row took ~3% of an int8 decode's CPU here: it
+        runs per chunk and per block)."""
+        first = self.first % self.tokens
+        if rows <= self.tokens:  # within one head, or wrapping into the next once
+            positions = np.arange(first, first + rows, dtype=np.int64)
+            positions[self.tokens - first :] -= self.tokens
+            return positions
+        return np.resize(np.arange(self.tokens, dtype=np.int64), first + rows)[first:]
 
     def exact_rows(self, rows: int) -> np.ndarray:
         return self.positions(rows) < self.exact

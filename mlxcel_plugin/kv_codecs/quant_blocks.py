@@ -55,8 +55,7 @@ def cut_at(starts: list[int], fmt: ChunkFormat, rows: int, head_dim: int,
     cuts = [cut for cut in cuts if 0 < cut < rows]
     if not cuts:
         return starts
-    if head_dim % 2 or (fmt.along_tokens
-                        and not np.isin(cuts, _group_boundaries(fmt, rows)).all()):
+    if head_dim % 2 or (fmt.along_tokens and not _group_starts(fmt, np.array(cuts)).all()):
         return None
     return sorted({*starts, *cuts})
 
@@ -155,9 +154,14 @@ def _group_boundaries(fmt: ChunkFormat, rows: int) -> np.ndarray:
     """Rows (ascending, past 0) where a group of the whole chunk starts."""
     if not fmt.along_tokens:  # groups within a row: any row starts one
         return np.arange(1, rows)
-    span = fmt.span
-    positions = span.positions(rows)
-    past_exact = positions - span.exact
-    starts = (positions == 0) | ((past_exact >= 0) & (past_exact % fmt.group == 0))
+    starts = _group_starts(fmt, np.arange(rows))
     starts[0] = False
     return np.flatnonzero(starts)
+
+
+def _group_starts(fmt: ChunkFormat, rows: np.ndarray) -> np.ndarray:
+    """Whether a group of the whole chunk (token groups) starts at each of ``rows``."""
+    span = fmt.span
+    positions = (span.first + rows) % span.tokens
+    past_exact = positions - span.exact
+    return (positions == 0) | ((past_exact >= 0) & (past_exact % fmt.group == 0))

@@ -139,3 +139,15 @@ def test_decoding_into_per_head_pieces_writes_the_bytes_a_contiguous_decode_does
     assert codec.decode_into_pieces(body, meta, pieces, "bfloat16")
     assert np.concatenate(pieces).tobytes() == want.tobytes()
     assert (buffer[:, tokens:] == 0xABCD).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_positions_are_each_rows_token_within_its_head(seed):
+    from mlxcel_plugin.kv_codecs.groups import TokenSpan
+
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        tokens = int(rng.integers(1, 300))
+        first, rows = int(rng.integers(0, 3 * tokens)), int(rng.integers(0, 1000))
+        got = TokenSpan(tokens, first, 1).positions(rows)
+        assert got.tolist() == ((first + np.arange(rows)) % tokens).tolist()
