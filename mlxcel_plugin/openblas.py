@@ -21,7 +21,7 @@ burned as much CPU as the decoding itself, beside the link's thread and MLX.
 ``limit_numpy_blas`` gives NumPy's copy one thread (measured: same wall time
 or less, half the CPU) and leaves the OpenBLAS under MLX as it is.
 ``mlx_blas_threads`` lowers the threads of the BLAS under MLX for one forward
-(a speculative verify of a few rows: docs/speculative.md#the-cost-of-a-verified-row).
+(a speculative verify of a few rows: docs/speculative.md, what a row costs).
 """
 
 from __future__ import annotations
