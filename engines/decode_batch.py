@@ -168,6 +168,9 @@ class _Group:
     caches: list[Any]
     lengths: list[int]  # cached tokens per sequence (what the next step attends over)
     batched: bool = False
+    # The body's output for the next step, computed already (engines/sliced_join.py: the
+    # K/V it wrote are in ``caches``); that step only takes its row through the shared head.
+    ready: mx.array | None = None
 
     @classmethod
     def of(cls, joining: list[tuple[Sequence, list[Any]]]) -> _Group:
@@ -202,6 +205,9 @@ class _Group:
         return mx.array([s.last_token for s in self.sequences], dtype=mx.uint32)[:, None]
 
     def stepped(self) -> None:
+        if self.ready is not None:  # its K/V were written before this step
+            self.ready = None
+            return
         self.lengths = [n + 1 for n in self.lengths]
 
     @property
@@ -240,8 +246,14 @@ class DecodeBatch:
         """Sequences per group, in order (how the batch is split into forwards)."""
         return [len(g.sequences) for g in self._groups]
 
-    def add(self, sequences: list[Sequence], caches: list[list[Any]]) -> None:
-        """Join new sequences (``caches[j]`` holds sequence j's per-layer caches)."""
+    def add(self, sequences: list[Sequence], caches: list[list[Any]],
+            ready: mx.array | None = None) -> None:
+        """Join new sequences (``caches[j]`` holds sequence j's per-layer caches). ``ready``:
+        one sequence's body output for its next step, already computed (a group of its own)."""
+        if ready is not None:
+            (sequence,), (own,) = sequences, caches
+            self._groups.append(_Group([sequence], own, [cached_tokens(own)], ready=ready))
+            return
         lengths = [list(g.lengths) for g in self._groups]
         joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
         for sequence, own in zip(sequences, caches, strict=True):
@@ -316,18 +328,24 @@ class DecodeBatch:
     def _forward(self) -> mx.array:
         """Next-token logits of every group, in order (lazy)."""
         groups = self._groups
-        if len(groups) == 1:
+        if len(groups) == 1 and groups[0].ready is None:
             self.before_group(groups[0].sequences)
             return self.model(groups[0].inputs(), cache=groups[0].caches)[:, -1, :]
-        if self._head is None:
+        if self._head is None:  # no group is ready then: sliced_join needs the head
             rows = [self._group_forward(self.model, g) for g in groups]
             return mx.concatenate(rows)
-        hidden = [self._group_forward(self.model.model, g) for g in groups]
+        hidden = [self._group_forward(self.model.model, g) if g.ready is None else g.ready
+                  for g in groups]
         return self._head(mx.concatenate(hidden))
 
     def _group_forward(self, forward: Callable[..., mx.array], group: _Group) -> mx.array:
         self.before_group(group.sequences)
         return forward(group.inputs(), cache=group.caches)[:, -1, :]
+
+    @property
+    def has_ready(self) -> bool:
+        """Whether a group's next step is only its head row (``add``'s ``ready``)."""
+        return any(g.ready is not None for g in self._groups)
 
     @property
     def nbytes(self) -> int:

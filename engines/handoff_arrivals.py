@@ -19,7 +19,8 @@ which may look their prompts up.
 
 A long sequence that would open a group of its own while others decode does not
 join at once: its first forward runs a slice of the model's layers after each of
-the next steps (engines/sliced_join.py), and it joins with its second token.
+the next steps (engines/sliced_join.py), then joins with that forward's output, so
+the step after only takes its row through the batch's shared vocabulary head.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from mlx_lm.models.cache import KVCache
 
 from engines.decode_batch import DecodeBatch, Sequence
 from engines.prefix.cache import SHARE_MIN_BYTES
-from engines.sliced_join import Advance, SlicedJoins
+from engines.sliced_join import SlicedJoins
 
 Waiting = tuple[Sequence, list[Any]]  # a sequence and its caches, waiting to join
 
@@ -96,11 +97,9 @@ class HandoffArrivals:
         return (self._sliced is not None and len(batch) > 0 and self._sliced.takes(caches)
                 and batch.opens_group(caches, sequence.steps_left))
 
-    def first_forwards(self, waiting: deque[Waiting], batch: DecodeBatch, advance: Advance,
-                       store_finished: Callable[[set[int]], None] | None) -> int:
+    def first_forwards(self, waiting: deque[Waiting], batch: DecodeBatch) -> int:
         """One slice of each sliced first forward, after the step; a sequence whose last slice
-        ran takes its token (``advance``: sample, emit) and joins ``batch``, or ends (its K/V
-        kept through ``store_finished``, given where finished sequences' replies are kept)."""
+        ran joins ``batch`` with its body output ready: the next step takes its token."""
         if not self._sliced or self._adopted_now:  # an adoption's iteration: no slice too
             return 0
         # As a join: no prompt store in this iteration (nor a copy of caches half stepped:
@@ -112,14 +111,8 @@ class HandoffArrivals:
             kept = [w for w in waiting if w[0].request_id not in ended]
             waiting.clear()
             waiting.extend(kept)
-        for forward, row in done:
-            sequence = forward.sequence
-            going = advance(sequence, row)
-            batch.add([sequence], [forward.caches])
-            if not going:
-                if store_finished is not None:
-                    store_finished({index_of(sequence, batch)})
-                batch.remove({sequence.request_id})
+        for forward, output in done:
+            batch.add([forward.sequence], [forward.caches], ready=output)
         return len(done)
 
     def store_later(self, request_id: str, prefix: Any, tokens: tuple[int, ...],
@@ -165,10 +158,6 @@ class HandoffArrivals:
         if stores:
             self._fit()
         return len(stores)
-
-
-def index_of(sequence: Sequence, batch: DecodeBatch) -> int:
-    return next(i for i, s in enumerate(batch.sequences) if s is sequence)
 
 
 def decoded_in_place(caches: list[Any], prompt_tokens: int) -> bool:

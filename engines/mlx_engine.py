@@ -171,8 +171,7 @@ class MlxEngine:
             self._prefill_next()
             self._arrivals.admit(self._waiting, self._batch, self.config.max_batch_size)
             self._decode_step()
-            finished = self._store_finished if self._prefix.reuse_generated else None
-            self._arrivals.first_forwards(self._waiting, self._batch, self._advance, finished)
+            self._arrivals.first_forwards(self._waiting, self._batch)
             self._arrivals.after_step(self._batch, self._waiting)
             self._update_stats()
         self._cancel_everything()

@@ -6,8 +6,11 @@ more plain step (a body forward, plus attention over the whole prompt), so every
 running stream had one gap per handoff about twice a plain step: the gaps that set
 bench_decode_isolation's p99. Cut into ``JOIN_SLICES`` slices of the model's layers,
 one slice after each step, the same work adds a quarter of that to four gaps
-instead. The joining sequence's own second token comes ``JOIN_SLICES - 1`` steps
-later than it would have.
+instead. The last slice's output joins the batch (``DecodeBatch.add``'s ``ready``):
+the step after takes its row through the batch's shared vocabulary head, so no
+slice reads the head's weights on its own (for small models, half a step). The
+joining sequence's own second token comes ``JOIN_SLICES`` steps later than it
+would have.
 
 Only where it changes nothing: the body must be ``norm(layers(embed(tokens)))`` for
 one token (checked bit for bit on a probe, like ``decode_batch.vocab_head``), and
@@ -24,7 +27,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engines.decode_batch import Head, Sequence, vocab_head
@@ -64,7 +66,7 @@ class LayeredBody:
         body(prompt, cache=layered_cache)
         whole = self._head(body(token, cache=whole_cache))[:, -1, :]
         hidden = self.run(self.embed(token), layered_cache, 0, self.layers)
-        layered = self.logits(hidden)
+        layered = self._head(self.output(hidden))
         return whole.shape == layered.shape and bool(mx.array_equal(whole, layered).item())
 
     def embed(self, tokens: mx.array) -> mx.array:
@@ -76,8 +78,9 @@ class LayeredBody:
             hidden = self._body.layers[i](hidden, None, cache=caches[i])
         return hidden
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        return self._head(self._body.norm(hidden))[:, -1, :]
+    def output(self, hidden: mx.array) -> mx.array:
+        """What the body returns for the token's position (the batch's head takes it)."""
+        return self._body.norm(hidden)[:, -1, :]
 
 
 def plain_layers(caches: list[Any], layers: int) -> bool:
@@ -93,10 +96,6 @@ class FirstForward:
     caches: list[Any]
     hidden: mx.array
     next_layer: int = 0
-
-
-# (a sequence, its logits row) -> True while it goes on (the engine's sample and emit).
-Advance = Callable[[Sequence, np.ndarray], bool]
 
 
 def sliced_joins(model: nn.Module, batch: Any) -> SlicedJoins | None:
@@ -133,9 +132,9 @@ class SlicedJoins:
 
     def step(
         self, present: set[str], before: Callable[[list[Sequence]], None]
-    ) -> list[tuple[FirstForward, np.ndarray]]:
+    ) -> list[tuple[FirstForward, mx.array]]:
         """One slice for each sequence still ``present`` (others were cancelled); those whose
-        last slice ran, with their logits row."""
+        last slice ran, with the body's output for their token (evaluated)."""
         self._running = {rid: f for rid, f in self._running.items() if rid in present}
         finished: list[tuple[FirstForward, mx.array]] = []
         for forward in self._running.values():
@@ -144,8 +143,8 @@ class SlicedJoins:
             forward.hidden = self.body.run(forward.hidden, forward.caches, forward.next_layer, stop)
             forward.next_layer = stop
             if stop == self.body.layers:
-                finished.append((forward, self.body.logits(forward.hidden).astype(mx.float32)))
-        mx.eval([f.hidden for f in self._running.values()], [row for _, row in finished])
+                finished.append((forward, self.body.output(forward.hidden)))
+        mx.eval([f.hidden for f in self._running.values()], [out for _, out in finished])
         for forward, _ in finished:
             del self._running[forward.sequence.request_id]
-        return [(forward, np.array(row[0])) for forward, row in finished]
+        return finished

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
@@ -61,8 +62,9 @@ class SpeculativeBatch(DecodeBatch):
         self.stats = SpeculativeStats()  # replaced whole: other threads read it
         self.emitted = 0  # tokens the last step emitted
 
-    def add(self, sequences: list[Sequence], caches: list[list[Any]]) -> None:
-        super().add(sequences, caches)
+    def add(self, sequences: list[Sequence], caches: list[list[Any]],
+            ready: mx.array | None = None) -> None:
+        super().add(sequences, caches, ready)
         has_draft = self._draft is not None
         for sequence in sequences:
             plan = SequencePlan.for_sequence(sequence, self.config, has_draft)
@@ -93,7 +95,8 @@ class SpeculativeBatch(DecodeBatch):
     def step_rows(self) -> list[np.ndarray]:
         """One forward; per sequence its logits rows ``[1 + k, vocab]`` (k: its proposals)."""
         sequences = self.sequences
-        counts = self._group_caps(self._offers(sequences)) if self.enabled else []
+        speculate = self.enabled and not self.has_ready  # a ready group: no verify forward
+        counts = self._group_caps(self._offers(sequences)) if speculate else []
         self._proposals = self._fill(sequences, counts) if any(counts) else []
         started = time.perf_counter()
         if not any(self._proposals):

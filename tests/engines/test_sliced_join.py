@@ -28,21 +28,24 @@ def sequence(request_id: str, first: int) -> Sequence:
 def test_a_first_forward_in_slices_equals_the_whole_step_bit_for_bit(model):
     first, whole_caches = handed_off(model, 300, seed=2)
     _, sliced_caches = handed_off(model, 300, seed=2)
-    whole = DecodeBatch(model)
+    whole, sliced = DecodeBatch(model), DecodeBatch(model)
     whole.add([sequence("w", first)], [whole_caches])
-    expected = whole.step()[0]
     joins = SlicedJoins(LayeredBody.of(model, vocab_head(model)), slices=4)
     joins.begin(sequence("s", first), sliced_caches)
     assert joins.per_slice == 1  # the tiny model's 4 layers: one a call
     calls = [joins.step({"s"}, lambda sequences: None) for _ in range(4)]
     assert [len(done) for done in calls] == [0, 0, 0, 1] and len(joins) == 0
-    forward, row = calls[-1][0]
+    forward, output = calls[-1][0]
     assert forward.sequence.request_id == "s" and forward.caches is sliced_caches
-    assert np.array_equal(row, expected)
+    sliced.add([forward.sequence], [sliced_caches], ready=output)
+    assert sliced.has_ready
+    for _ in range(3):  # the ready row through the head, then plain steps: the same logits
+        assert np.array_equal(sliced.step(), whole.step())
+    assert not sliced.has_ready
     for a, b in zip(whole_caches, sliced_caches, strict=True):
-        assert a.offset == b.offset == 301
-        assert np.array_equal(np.array(a.keys[..., :301, :]), np.array(b.keys[..., :301, :]))
-        assert np.array_equal(np.array(a.values[..., :301, :]), np.array(b.values[..., :301, :]))
+        assert a.offset == b.offset == 303
+        assert np.array_equal(np.array(a.keys[..., :303, :]), np.array(b.keys[..., :303, :]))
+        assert np.array_equal(np.array(a.values[..., :303, :]), np.array(b.values[..., :303, :]))
 
 
 def test_a_cancelled_sequence_is_dropped_mid_forward(model):
