@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache
 
 from engines import cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
-from engines.unfilled import SlabCarver, mlx_room_view, mlx_view
+from engines.unfilled import OWN_ALLOCATION_BYTES, SlabCarver, mlx_room_view, mlx_view
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, RowsReady
 from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 from mlxcel_plugin.kv_serde.header import ModelFingerprint
@@ -139,11 +139,16 @@ class ReceiveBuffers:
 
     def __init__(self) -> None:
         self._carver: SlabCarver | None = None
+        self._room = engine_memory.PoolRoom()
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         if self._carver is None:
             self._carver = SlabCarver(mx.new_stream(mx.cpu))
-        return kv_buffers(shape, dtype, count, self._carver)
+        warm = engine_memory.warm_bytes()
+        buffers = kv_buffers(shape, dtype, count, self._carver)
+        if buffers and buffers[0].nbytes >= OWN_ALLOCATION_BYTES:  # not carved from a slab
+            self._room.took(sum(b.nbytes for b in buffers), warm)  # warm again once freed
+        return buffers
 
     def pool_bytes(self) -> tuple[int, int]:
         """(bound, held now) of the freed buffers handoffs land in (the receive pool:

@@ -127,3 +127,26 @@ def test_the_engine_bounds_mlxs_cache_by_the_receive_pool(tmp_path):
         assert memory.receive_pool_bytes == 512 * MIB
     finally:
         mx.set_cache_limit(previous)
+
+
+def test_a_new_size_is_kept_warm_when_the_pool_is_full_of_another(cache_limit, monkeypatch):
+    """MLX caches a freed buffer only while its cache has room: a pool filled by one prompt
+    size used to keep every buffer of another out. Taking receive buffers makes room (the
+    oldest cached buffers go), so the next handoff of the new size reuses their memory."""
+    from engines import engine_memory
+
+    limit = 160 * MIB
+    mx.set_cache_limit(limit)
+    monkeypatch.setattr(engine_memory, "_applied_cache_bytes", [limit])  # as apply() sets it
+    stale = [mx.zeros((5 * MIB,), dtype=mx.uint8) for _ in range(limit // (5 * MIB))]
+    mx.eval(stale)
+    del stale
+    assert warm_bytes() > limit - 10 * MIB  # full of buffers no handoff below can use
+    sent, caches = receive(4400, seed=1)
+    assert_holds(caches, sent, 4400)
+    first = addresses(caches)
+    del caches
+    gc.collect()
+    sent, caches = receive(4200, seed=2)
+    assert addresses(caches) == first
+    assert_holds(caches, sent, 4200)
