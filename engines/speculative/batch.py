@@ -98,13 +98,13 @@ class SpeculativeBatch(DecodeBatch):
         speculate = self.enabled and not self.has_ready  # a ready group: no verify forward
         counts = self._group_caps(self._offers(sequences)) if speculate else []
         self._proposals = self._fill(sequences, counts) if any(counts) else []
-        started = time.perf_counter()
         if not any(self._proposals):
             self._proposals = [[] for _ in sequences]
             self._widths = []
-            rows = [row[None] for row in self.step()]
-            self.cost.record(len(sequences), time.perf_counter() - started)
-            return rows
+            return [row[None] for row in self.step()]
+        # Only verify forwards are timed: they run the BLAS on one thread (verify.py), plain
+        # steps at its own count, another curve that a line through both would mix up.
+        started = time.perf_counter()
         rows, self._widths = verify_rows(self.model, self._head, self._groups, self._proposals,
                                          self.before_group)
         fed = sum(n * w for n, w in zip(self.group_sizes, self._widths, strict=True))

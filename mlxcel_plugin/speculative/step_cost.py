@@ -3,12 +3,17 @@
 The adaptive rules (``adaptive.py``, ``group_rule.py``) weigh a forward of ``r`` rows as
 ``1 + row_cost * (r - 1)`` one-row forwards. On a GPU a few more rows cost almost
 nothing; on a CPU (OpenBLAS) a forward of 5 rows measured 1.1-2.2x a one-row step,
-shifting with the machine's load. So a node times its decode forwards (plain steps
-of ``n`` rows, verify steps of ``n * w``), keeps a decayed mean time per row count, and
-fits ``time = fixed + per_row * rows``: ``row_cost = per_row / (fixed + per_row)``, the
-cost of one more row as a fraction of a one-row forward. Until two row counts have
-been timed a few times each, the configured ``verify_row_cost`` stands. Pure: the
-caller passes the seconds it measured.
+shifting with the machine's load. So a node times its verify forwards (``n * w`` rows
+for ``n`` sequences at width ``w``), keeps a decayed mean time per row count, and fits
+``time = fixed + per_row * rows``: ``row_cost = per_row / (fixed + per_row)``, the cost
+of one more row as a fraction of a one-row forward on that line. Plain steps are not
+timed: a verify runs the BLAS on one thread, a plain step at the library's own count,
+and a line through both curves mixed them (after a 1-stream run, 4-row plain steps
+slowed by OpenBLAS's threads read as dear verify rows and stopped 4-stream speculation).
+Weighing a plain step as the line's one-row forward is conservative where one thread
+is faster (here under load: 167 against 227 ms). Until two row counts have been timed a
+few times each, the configured ``verify_row_cost`` stands. Pure: the caller passes the
+seconds it measured.
 
 A tensor-parallel follower rank must propose exactly what its leader does (every rank
 runs the same forwards): it learns nothing itself and takes the leader's cost after each
