@@ -99,7 +99,8 @@ class HandoffArrivals:
 
     def first_forwards(self, waiting: deque[Waiting], batch: DecodeBatch) -> int:
         """One slice of each sliced first forward, after the step; a sequence whose last slice
-        ran joins ``batch`` with its body output ready: the next step takes its token."""
+        ran joins ``batch`` with its body output ready (the next step takes its token) and
+        its prompt is stored."""
         if not self._sliced or self._adopted_now:  # an adoption's iteration: no slice too
             return 0
         # As a join: no prompt store in this iteration (nor a copy of caches half stepped:
@@ -113,6 +114,9 @@ class HandoffArrivals:
             waiting.extend(kept)
         for forward, output in done:
             batch.add([forward.sequence], [forward.caches], ready=output)
+            # Its caches are its own now (decoded in place): shared, not copied. Stored here,
+            # the store stays out of the next step, which takes its token and may end it.
+            self.store_now(forward.sequence.request_id)
         return len(done)
 
     def store_later(self, request_id: str, prefix: Any, tokens: tuple[int, ...],
