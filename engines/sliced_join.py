@@ -13,9 +13,10 @@ joining sequence's own second token comes ``JOIN_SLICES`` steps later than it
 would have.
 
 Only where it changes nothing: the body must be ``norm(layers(embed(tokens)))`` for
-one token (checked bit for bit on a probe, like ``decode_batch.vocab_head``), and
-the sequence's caches plain ``KVCache`` layers, one per layer (not quantized, not
-nested). The slices are the very layer calls the body makes, on the same arrays.
+one token (checked bit for bit on a probe, like ``decode_batch.vocab_head``), no
+layer may attend through a sliding window (the probe is too short to see its
+mask), and the sequence's caches plain ``KVCache`` layers, one per layer (not
+quantized, not nested). The slices are the very layer calls the body makes, on the same arrays.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class LayeredBody:
         parts = ("embed_tokens", "layers", "norm")
         if head is None or body is None or not all(hasattr(body, p) for p in parts):
             return None
+        if windowed(model):  # a window's mask differs only past the window: the probe is short
+            return None
         layered = cls(body, head)
         try:
             same = layered._matches_on_probe(model)
@@ -81,6 +84,17 @@ class LayeredBody:
     def output(self, hidden: mx.array) -> mx.array:
         """What the body returns for the token's position (the batch's head takes it)."""
         return self._body.norm(hidden)[:, -1, :]
+
+
+def windowed(model: nn.Module) -> bool:
+    """Whether some layer attends through a sliding window (its one-token mask is not None
+    once the cache is past the window, so the layered body's None would differ)."""
+    args = getattr(model, "args", None)
+    settings = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    layer_types = settings.get("layer_types") or ()
+    return any(v for k, v in settings.items() if "window" in k) or any(
+        "sliding" in str(t) for t in layer_types
+    )
 
 
 def plain_layers(caches: list[Any], layers: int) -> bool:

@@ -89,3 +89,11 @@ def test_a_body_that_is_more_than_its_layers_is_not_sliced(model):
     assert vocab_head(scaled) is not None  # head(body(x)) holds: only the body differs
     assert LayeredBody.of(scaled, vocab_head(scaled)) is None
     assert sliced_joins(scaled, DecodeBatch(scaled)) is None
+
+
+def test_a_model_with_a_sliding_window_is_not_sliced(model, monkeypatch):
+    monkeypatch.setattr(model.args, "sliding_window", 4096)  # as a windowed model's args say
+    assert LayeredBody.of(model, vocab_head(model)) is None
+    monkeypatch.setattr(model.args, "sliding_window", None)
+    monkeypatch.setattr(model.args, "layer_types", ["sliding_attention", "full_attention"])
+    assert LayeredBody.of(model, vocab_head(model)) is None
