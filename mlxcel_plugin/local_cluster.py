@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxcel_plugin.link import generate_secret_file
+from mlxcel_plugin.node_forkserver import ForkedNode, NodeForkserver
 
 LOOPBACK = "127.0.0.1"
 # A node gets this long to drain after SIGTERM before SIGKILL: its default
@@ -67,6 +68,17 @@ def _worker_share(ports: range) -> range:
     return ports[int(worker[2:]) % count::count] or ports  # a range too small to share
 
 
+# Set by fork_nodes(): later nodes of this process are forked from a forkserver.
+_forkserver: NodeForkserver | None = None
+
+
+def fork_nodes() -> None:
+    """Fork later nodes from a forkserver that imported their libraries once (the suite's
+    ~300 node starts: mlxcel_plugin/node_forkserver.py); the default spawns each one."""
+    global _forkserver
+    _forkserver = _forkserver or NodeForkserver()
+
+
 def free_port() -> int:
     """A loopback port free now and never handed out before, for a node started next to bind."""
     ports = _worker_share(_pick_ports())
@@ -105,7 +117,7 @@ class NodeProcess:
     port: int
     serving_bind: str | None
     log_path: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedNode
     args: list[str] = field(default_factory=list)
 
     @property
@@ -190,16 +202,19 @@ def start_node(
         argv += ["--serving-bind", serving_bind]
     argv += args
     log_path = workdir / f"{name or role}-{port}.log"
-    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its whole life
-    # Its own process group: a terminal's SIGINT goes to the parent only, which forwards it.
-    process = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        process_group=0,
-    )
-    log.close()
+    process = _spawn(argv, {**os.environ, **(env or {})}, log_path)
     if cpu_affinity:
         pin_process(process.pid, cpu_affinity)
     return NodeProcess(role, port, serving_bind, log_path, process, argv)
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | ForkedNode:
+    if _forkserver is not None and _forkserver.can_fork(env):
+        return _forkserver.start(argv[3:], env, log_path)  # argv[3:]: the CLI's own arguments
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor of it
+        # Its own process group: a terminal's SIGINT goes to the parent only, which forwards it.
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                process_group=0)
 
 
 @dataclass

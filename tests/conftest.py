@@ -80,6 +80,23 @@ def _one_reuse_probe_per_session(tmp_path_factory: pytest.TempPathFactory) -> It
         yield directory
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--spawn-nodes", action="store_true",
+                     help="start every node as `python -m mlxcel_plugin.cli` (no forkserver)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nodes_forked_from_a_forkserver(request: pytest.FixtureRequest) -> None:
+    """Nodes started through local_cluster.start_node are forked from a forkserver that
+    imported transformers, mlx-lm and FastAPI once (~2 of a node's 3 CPU-s of start-up:
+    mlxcel_plugin/node_forkserver.py); a node whose environment changes what those read
+    at import is still spawned, and so is every node under ``--spawn-nodes``."""
+    from mlxcel_plugin import local_cluster
+
+    if not request.config.getoption("--spawn-nodes"):
+        local_cluster.fork_nodes()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     from engines.model_store import ensure_tiny_model
