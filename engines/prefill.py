@@ -152,7 +152,7 @@ def prepare_prefills(model: nn.Module, prefix: PrefixCache, config: EngineConfig
     prefix.grid = reuse_probe.prefill_grid(model, config, info)
     if config.warmup:
         warm_up(model, prefix.grid)
-        warm_grammar_tokenizer(info)  # else the first constrained request waits ~1 s
+        warm_grammar_tokenizer(info)  # else the first constrained request waits for it
 
 
 def warm_up(model: nn.Module, grid: PrefillGrid) -> None:
