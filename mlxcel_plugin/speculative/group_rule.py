@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxcel_plugin.speculative.adaptive import expected_tokens
+from mlxcel_plugin.speculative.adaptive import MIN_GAIN, expected_tokens
 
 
 def forward_cost(rows: int, row_cost: float) -> float:
@@ -35,7 +35,8 @@ def group_width(rates: Sequence[float], offered: Sequence[int], row_cost: float)
         return tokens / forward_cost(n * width, row_cost)
 
     widest = 1 + max(offered, default=0)
-    return max(range(1, widest + 1), key=lambda w: (speed(w), -w))
+    best = max(range(1, widest + 1), key=lambda w: (speed(w), -w))
+    return best if speed(best) >= MIN_GAIN * speed(1) else 1  # as adaptive.best_k
 
 
 def capped(offered: Sequence[int], width: int) -> list[int]:

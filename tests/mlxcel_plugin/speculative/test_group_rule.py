@@ -29,3 +29,10 @@ def test_free_rows_verify_everything_offered():
 def test_costly_rows_never_speculate():
     assert group_width([0.99] * 2, [4, 4], 2.0) == 1
     assert forward_cost(1, 0.3) == 1.0
+
+
+def test_a_group_gaining_less_than_min_gain_steps_plainly():
+    # Four chat sequences with 1-gram matches (7% accepted) and nearly free rows: 4.28
+    # tokens for 1.1 forwards at width 2 gains 3% over a plain step's 4 for 1.075.
+    assert group_width([0.07] * 4, [1] * 4, 0.025) == 1
+    assert group_width([0.3] * 4, [1] * 4, 0.025) == 2
