@@ -28,10 +28,10 @@ decode node's on to its first token, less the CPU of its next decode step over t
 same cache, shown as "step CPU s": the model's own attention, not the handoff's), and
 the time from the ack to the decode node's first token (adoption into MLX and that
 token's step). Each config first takes unmeasured handoffs of each size: the first lands
-in fresh pages (its receiver CPU prints as "recv cold s/GiB"), the rest until the decode
-node's prefix cache (which keeps each handoff's buffers for the next turn) has turned
-over, so the measured ones land in the receive pool's warm pages as on a node in service
-(docs/bulk-lanes.md#receive-pool).
+in fresh pages (its receiver CPU prints as "recv cold s/GiB"), the rest until one lands
+warm (the decode node's minor faults per GiB low: its receive pool and prefix cache have
+turned over to this size; "warm-up" counts them), so the measured ones land in the
+receive pool's warm pages as on a node in service (docs/bulk-lanes.md#receive-pool).
 ITL: ``--itl-streams`` streams decode on the decode node (short prompts, restarted as
 they end) while ``--itl-handoffs`` handoffs of ``--itl-tokens`` arrive (full, none), against quiet
 windows of the same streams in between; gaps ending inside each window count

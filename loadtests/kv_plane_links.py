@@ -27,10 +27,11 @@ SHAPED_ENOUGH = 0.9  # raw TCP must reach this share of a shaped rate to prove t
 WIDE_BURST_S = 0.016  # the second try's tbf bucket, in seconds of the rate
 BASELINE_TIMEOUT_S = 600
 WARMUP_TOKENS = 256
-# The decode node's prefix cache (1 GiB by default) keeps each handoff's buffers for the next
-# turn until its LRU evicts them: a node in service evicts one as each handoff arrives, and
-# the next reuses those pages. Unmeasured handoffs per size until that turnover, at most:
-PREFIX_CACHE_BYTES, MAX_WARM_HANDOFFS = 1 << 30, 5
+# A node in service takes a handoff into the pages an earlier one of its size freed; after
+# another size (8k after 2k) its receive pool (and prefix cache) take a few handoffs to turn
+# over. Unmeasured handoffs per size until one lands warm: the decode node's minor faults under
+# this many per GiB (of 262,144 4 KiB pages; warm handoffs took 0.3-3k here, fresh 30k+), at most:
+WARM_FAULTS_PER_GIB, MAX_WARM_HANDOFFS = 8192, 8
 
 
 @dataclass
@@ -113,21 +114,37 @@ def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
 # ---------------------------------------------------------------- the product
 
 
-def warm_handoffs(tokens: int, bytes_per_token: int) -> int:
-    """Handoffs of this size before the measured ones: the first lands in fresh pages, the
-    rest until the decode node's prefix cache turns over (``PREFIX_CACHE_BYTES``)."""
-    return min(MAX_WARM_HANDOFFS, PREFIX_CACHE_BYTES // (tokens * bytes_per_token) + 1)
+def minor_faults(pid: int) -> int:
+    """A process's minor page faults so far (0 once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0
+
+
+async def warm_handoffs(nodes: NodeSet, config: str, tokens: int, run: LinkRun) -> list:
+    """Unmeasured handoffs of this size: the first lands in fresh pages (its receiver CPU is
+    reported as cold), then more until one lands warm (``WARM_FAULTS_PER_GIB``): the receive
+    pool turned over to this size (docs/bulk-lanes.md#receive-pool). All of them, in order."""
+    pid, done = nodes.decode.process.pid, []
+    while len(done) < MAX_WARM_HANDOFFS:  # bounded
+        before = minor_faults(pid)
+        done += await handoffs(nodes, config, tokens, 1, run.rng)
+        faults = (minor_faults(pid) - before) / (done[-1].kv_bytes / GIB)
+        if len(done) > 1 and faults < WARM_FAULTS_PER_GIB:
+            break
+    return done
 
 
 async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> list[dict]:
     """Per config: unmeasured handoffs of this size first (``warm_handoffs``; the first one's
     receiver CPU is reported as ``cold``: the receive pool takes it into fresh pages), then
-    the measured ones, which land in warm memory as on a node in service."""
+    the measured ones, which land in warm memory as on a node in service ("warm-up" says
+    how many handoffs that took)."""
     rows = []
     for config in run.configs:
         try:
-            warm = await handoffs(nodes, config, tokens,
-                                  warm_handoffs(tokens, run.bytes_per_token), run.rng)
+            warm = await warm_handoffs(nodes, config, tokens, run)
             cold = warm[0]
             done = await handoffs(nodes, config, tokens, run.repeats, run.rng)
         except (RuntimeError, TimeoutError) as exc:  # one failed case does not end the run
@@ -143,6 +160,7 @@ async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> 
         row["after_ack_s"] = statistics.median(h.after_ack_s for h in done)
         row["step_cpu_s"] = statistics.median(h.step_cpu_s for h in done)
         row["cold_cpu_recv_per_gib"] = cold.cpu_s[1] / (cold.kv_bytes / GIB)
+        row["warm_handoffs"] = len(warm)
         row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
         print({k: v for k, v in row.items()}, flush=True)
         rows.append(row)
