@@ -67,11 +67,14 @@ def ranks_stay_in_step(engine) -> list[list[int]]:
     return [after.wait() and after.tokens, [cancelled.last.finish_reason]]
 
 
-def dear_rows(seconds_per_row: float = 1.0):
-    """Rank 0's forwards timed as ``rows - 0.8`` s: a learned row cost of 4 one-row forwards
-    (the most), which rank 1, timing its own, would never learn: proposals would differ."""
-    def record(record_real):
-        return lambda rows, _seconds: record_real(rows, seconds_per_row * rows - 0.8)
+def dear_rows(record_real):
+    """Rank 0's verify forwards timed as ``rows - 0.8`` s, each also as one of a row more:
+    a learned row cost of 4 one-row forwards (the most) after three verifies, which rank 1,
+    timing its own, would never learn: proposals would differ."""
+    def record(rows: int, _seconds: float) -> None:
+        record_real(rows, rows - 0.8)
+        record_real(rows + 1, rows + 0.2)
+
     return record
 
 
@@ -80,13 +83,18 @@ def speculating(engine, plain, replies: list[list[int]]) -> dict:
     lookup finds what followed), one by one and together; the plain engine's tokens beside."""
     echoes = [GenerationRequest(f"n{i}", (*p, *reply, *p), MAX_TOKENS, SamplingParams(
         speculative="ngram")) for i, (p, reply) in enumerate(zip(PROMPTS, replies, strict=False))]
+    # A first pass, so rank 0 has timed verify forwards of two row counts (its cost learned).
+    learning = [support.generate(engine, dataclasses.replace(r, request_id=r.request_id + "l"))
+                for r in echoes]
     out = {"plain": [support.generate(plain, r).tokens for r in echoes],
+           "learning": [events.tokens for events in learning],
            "alone": [support.generate(engine, r).tokens for r in echoes],
            "together": together(engine, [dataclasses.replace(r, request_id=r.request_id + "b")
                                          for r in echoes])}
     counts = engine.stats().speculative.methods.get("ngram")
     out["proposed"] = counts.proposed if counts else 0
     out["leader_row_cost"] = engine.leader._batch.cost.row_cost
+    out["leader_samples"] = engine.leader._batch.cost.samples
     return out
 
 
@@ -102,7 +110,7 @@ def main() -> None:
     plain.start()
     sharded = make_mlx_engine(sys.argv[1], config)
     cost = sharded.leader._batch.cost
-    cost.record = dear_rows()(cost.record)
+    cost.record = dear_rows(cost.record)
     sharded.start()
     out: dict = {"ranks": sharded.ranks,
                  "fingerprint_equal": sharded.info.fingerprint == plain.info.fingerprint}

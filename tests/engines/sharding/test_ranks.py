@@ -75,8 +75,10 @@ def test_a_follower_proposes_what_the_leader_does_with_a_learned_row_cost(ranks_
     the unsharded engine's and the ranks stay in step for the next request."""
     out, _ = ranks_run
     spec = out["speculating"]
-    assert spec["leader_row_cost"] == 4.0 and spec["proposed"] > 0
+    assert spec["proposed"] > 0
+    assert spec["leader_row_cost"] == 4.0, spec["leader_samples"]
     assert all(len(tokens) == 24 for tokens in spec["plain"])
+    assert spec["learning"] == spec["plain"]
     assert spec["alone"] == spec["plain"]
     assert spec["together"] == spec["plain"]
     assert out["after_speculating"] == out["plain"][0]
