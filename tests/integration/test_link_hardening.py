@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel_plugin.link.protocol.frames import ErrorFrame, FrameType
+from mlxcel_plugin.link.protocol.frames import Cancel, ErrorFrame, FrameType
 from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port
 from mlxcel_plugin.testing.link_attacker import announce_bulk_body, raw_request, send_junk
 from tests.integration.test_nodes import (
@@ -28,6 +28,7 @@ from tests.integration.test_nodes import (
     health,
     next_ack,
     run,
+    wait_baseline,
 )
 
 MIB = 1 << 20
@@ -139,6 +140,8 @@ def test_the_decode_kv_budget_bounds_handoffs_in_flight(hard_nodes):
                 await link.send(frame)
         refusals = [await next_ack(link, 10) for _ in range(6 - BUDGET_FITS)]
         held = health(tight)
+        for i in range(BUDGET_FITS):  # as a prefill node whose requests ended: frees them
+            await link.send(Cancel(f"h{i}", "test over").to_frame())
         await link.close()
         return refusals, held
 
@@ -147,6 +150,7 @@ def test_the_decode_kv_budget_bounds_handoffs_in_flight(hard_nodes):
     assert {a.error_code for a in refusals} == {"at_capacity"}
     assert all("KV budget full" in (a.error or "") for a in refusals)
     assert held["ready"] + held["ingesting"] == BUDGET_FITS
+    wait_baseline(tight)  # the admitted ones' KV freed by the cancel, not at transfer_timeout_s
 
 
 def test_junk_before_authentication_costs_one_warning_line(hard_nodes):
