@@ -257,15 +257,11 @@ class DecodeBatch:
         lengths = [list(g.lengths) for g in self._groups]
         joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
         for sequence, own in zip(sequences, caches, strict=True):
-            n = cached_tokens(own)
-            cost = forward_cost_tokens(self._weights_bytes, own)
-            target = self._pick_group(lengths, n, sequence.steps_left, cost)
-            if not mergeable(own):  # quantized K/V have no batch form: a group of its own
-                target = len(lengths)
+            target = self._target_group(lengths, own, sequence.steps_left)
             if target == len(lengths):
                 lengths.append([])
                 joining.append([])
-            lengths[target].append(n)
+            lengths[target].append(cached_tokens(own))
             joining[target].append((sequence, own))
         for group, arriving in zip(self._groups, joining, strict=False):
             group.join(arriving)
@@ -273,10 +269,17 @@ class DecodeBatch:
 
     def opens_group(self, caches: list[Any], steps_left: int | None) -> bool:
         """Whether a sequence with these caches would get a forward of its own (``add``)."""
-        lengths = [list(g.lengths) for g in self._groups]
+        lengths = [g.lengths for g in self._groups]
+        return self._target_group(lengths, caches, steps_left) == len(lengths)
+
+    def _target_group(self, lengths: list[list[int]], caches: list[Any],
+                      steps_left: int | None) -> int:
+        """The group a sequence with ``caches`` joins, given the groups' ``lengths``;
+        ``len(lengths)``: a new one."""
+        if not mergeable(caches):  # quantized K/V have no batch form: a group of its own
+            return len(lengths)
         cost = forward_cost_tokens(self._weights_bytes, caches)
-        target = self._pick_group(lengths, cached_tokens(caches), steps_left, cost)
-        return target == len(lengths) or not mergeable(caches)
+        return self._pick_group(lengths, cached_tokens(caches), steps_left, cost)
 
     @staticmethod
     def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None,
