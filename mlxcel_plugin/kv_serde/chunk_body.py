@@ -8,6 +8,8 @@ a chunk's rows as per-head pieces.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -53,11 +55,18 @@ def _decoded_into_pieces(codec: KVCodec, chunk: ChunkHeader, body: Any,
     into = getattr(codec, "decode_into_pieces", None)
     if into is None:
         return False
-    try:
+    with _codec_failures(codec):
         return bool(into(body, chunk.codec_meta, pieces, spec.dtype))
+
+
+@contextmanager
+def _codec_failures(codec: KVCodec) -> Iterator[None]:
+    """A plugin codec's own failure inside fails this handoff only (``CorruptChunk``)."""
+    try:
+        yield
     except HandoffError:
         raise
-    except Exception as exc:  # a plugin codec's own failure fails this handoff only
+    except Exception as exc:
         raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
 
 
@@ -71,15 +80,11 @@ def _decode_rows(codec: KVCodec, chunk: ChunkHeader, body: Any, rows: np.ndarray
         rows[...] = np.frombuffer(data, dtype=spec.storage).reshape(shape)
         return
     into = getattr(codec, "decode_into", None)
-    try:
+    with _codec_failures(codec):
         if into is not None:  # straight into the receive buffer (``KVCodec.decode``)
             into(body, chunk.codec_meta, rows, spec.dtype)
             return
         decoded = codec.decode(body, chunk.codec_meta, shape, spec.dtype)
-    except HandoffError:
-        raise
-    except Exception as exc:  # a plugin codec's own failure fails this handoff only
-        raise CorruptChunk(f"codec {codec.name} failed: {exc!r:.200}") from exc
     if not isinstance(decoded, np.ndarray) or decoded.shape != shape:
         raise CorruptChunk(f"codec {codec.name} returned the wrong shape")
     if decoded.dtype != rows.dtype:
