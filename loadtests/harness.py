@@ -33,13 +33,24 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (None once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+
+
 def proc_cpu_s(pid: int) -> float:
     """Another process's CPU seconds from ``/proc/PID/stat`` (0 once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(stat[11]) + int(stat[12])) / CLOCK_TICKS  # utime + stime
+    stat = _proc_stat(pid)
+    return (int(stat[11]) + int(stat[12])) / CLOCK_TICKS if stat else 0.0  # utime + stime
+
+
+def proc_minor_faults(pid: int) -> int:
+    """Another process's minor page faults so far (0 once it is gone)."""
+    stat = _proc_stat(pid)
+    return int(stat[7]) if stat else 0  # minflt
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import GIB, KVPlaneDefaults, Placement
+from harness import GIB, KVPlaneDefaults, Placement, proc_minor_faults
 from kv_plane_nodes import NodeSet, handoffs, itl_phase, loopback_nodes, netns_nodes, warm_up
 
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port
@@ -114,23 +114,15 @@ def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
 # ---------------------------------------------------------------- the product
 
 
-def minor_faults(pid: int) -> int:
-    """A process's minor page faults so far (0 once it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
-    except (FileNotFoundError, IndexError, ValueError):
-        return 0
-
-
 async def warm_handoffs(nodes: NodeSet, config: str, tokens: int, run: LinkRun) -> list:
     """Unmeasured handoffs of this size: the first lands in fresh pages (its receiver CPU is
     reported as cold), then more until one lands warm (``WARM_FAULTS_PER_GIB``): the receive
     pool turned over to this size (docs/bulk-lanes.md#receive-pool). All of them, in order."""
     pid, done = nodes.decode.process.pid, []
     while len(done) < MAX_WARM_HANDOFFS:  # bounded
-        before = minor_faults(pid)
+        before = proc_minor_faults(pid)
         done += await handoffs(nodes, config, tokens, 1, run.rng)
-        faults = (minor_faults(pid) - before) / (done[-1].kv_bytes / GIB)
+        faults = (proc_minor_faults(pid) - before) / (done[-1].kv_bytes / GIB)
         if len(done) > 1 and faults < WARM_FAULTS_PER_GIB:
             break
     return done
