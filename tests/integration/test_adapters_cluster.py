@@ -213,7 +213,7 @@ def test_load_and_unload_through_the_router_under_load(cluster) -> None:
 
 def adapters_held(router: str, address: str) -> dict[str, str]:
     entry = node_entry(router_stats(router), "decode", address) or {}
-    return entry.get("telemetry", {}).get("adapters", {})
+    return (entry.get("telemetry") or {}).get("adapters") or {}  # None until its first probe
 
 
 def first_handoff_on(router: str, late: NodeProcess, model: str) -> tuple[str, str]:
