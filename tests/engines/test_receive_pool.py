@@ -34,8 +34,13 @@ EIGHT_B = make_fingerprint(num_layers=2, kv_heads=8, head_dim=128, dtype="bfloat
 
 @pytest.fixture
 def cache_limit():
-    """MLX's cache limit for the test, restored after (other tests run in this process)."""
+    """MLX's cache limit for the test, restored after (other tests run in this process).
+
+    The cache starts empty: buffers earlier tests left in it (garbage collected now
+    included) could otherwise be the ones a handoff of the same size takes."""
     previous = mx.set_cache_limit(GIB)
+    gc.collect()
+    mx.clear_cache()
     yield
     mx.set_cache_limit(previous)
     mx.clear_cache()
