@@ -15,7 +15,14 @@ from mlx_lm.models.cache import KVCache
 
 from engines import cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
-from engines.unfilled import OWN_ALLOCATION_BYTES, SlabCarver, mlx_room_view, mlx_view
+from engines.unfilled import (
+    OWN_ALLOCATION_BYTES,
+    PREFAULT_AHEAD_BYTES,
+    PREFAULT_STEP_BYTES,
+    SlabCarver,
+    mlx_room_view,
+    mlx_view,
+)
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, RowsReady
 from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
 from mlxcel_plugin.kv_serde.header import ModelFingerprint
@@ -149,6 +156,13 @@ class ReceiveBuffers:
         if buffers and buffers[0].nbytes >= OWN_ALLOCATION_BYTES:  # not carved from a slab
             self._room.took(sum(b.nbytes for b in buffers), warm)  # warm again once freed
         return buffers
+
+    def prefault(self, decoding: bool) -> int:
+        """Fault in the slab memory the next small handoffs land in (engine thread, once an
+        iteration: a little while ``decoding``, else all that is due); bytes faulted."""
+        if self._carver is None:
+            return 0
+        return self._carver.prefault(PREFAULT_STEP_BYTES if decoding else PREFAULT_AHEAD_BYTES)
 
     def pool_bytes(self) -> tuple[int, int]:
         """(bound, held now) of the freed buffers handoffs land in (the receive pool:

@@ -173,6 +173,7 @@ class MlxEngine:
             self._decode_step()
             self._arrivals.first_forwards(self._waiting, self._batch)
             self._arrivals.after_step(self._batch, self._waiting)
+            self.kv_buffers.prefault(decoding=bool(len(self._batch)))  # engines/unfilled.py
             self._update_stats()
         self._cancel_everything()
 

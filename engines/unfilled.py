@@ -28,11 +28,12 @@ import io
 import logging
 import math
 import threading
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from mlxcel_plugin.huge_pages import advise_huge_pages
+from mlxcel_plugin.huge_pages import advise_huge_pages, populate_write
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ _ALIGN_BYTES = 4096  # views start on page boundaries
 # Arrays this large get an allocation each (decode then writes into them in place); one
 # mx.load each (~0.15 ms) is small beside the bytes that fill them.
 OWN_ALLOCATION_BYTES = 4 * 1024 * 1024
+# Slab memory faulted in ahead of the next view (SlabCarver.prefault), and how much of it one
+# engine iteration faults while sequences decode (~0.25 ms of CPU here; idle: all of it).
+PREFAULT_AHEAD_BYTES = 16 * 1024 * 1024
+PREFAULT_STEP_BYTES = 256 * 1024
 
 
 class _HeaderOnly(io.RawIOBase):
@@ -119,17 +124,38 @@ def own_buffers(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype, coun
     return out
 
 
+@dataclass
+class _Slab:
+    """One slab: views are carved from ``at`` on; pages below ``faulted`` are faulted in."""
+
+    array: np.ndarray
+    at: int = 0  # elements
+    faulted: int = 0  # elements
+
+    @property
+    def left(self) -> int:
+        return self.array.size - self.at
+
+
 class SlabCarver:
     """Hands out unfilled MLX memory as numpy views of shared slabs (one current slab per dtype).
 
     Carving is numpy slicing: no MLX work, so no round trip to a stream
     thread per layer (under load one took up to 5 ms here). ``mlx_view``
     turns such a view back into MLX, lazily, when the layer is adopted.
+
+    Warm ahead: received bytes would otherwise be the first write to their pages,
+    and a 2 MB handoff faulting 4 KiB pages cost ~2 ms of the decode machine's CPU
+    inside one decode step (docs/bulk-lanes.md#receive-pool). ``prefault`` (the
+    engine thread, a little per step) faults in up to ``PREFAULT_AHEAD_BYTES``
+    past the next view, in the current slab and in the next one, which is
+    allocated (unfilled, not faulted) once the current one runs low.
     """
 
     def __init__(self, stream: mx.Stream, slab_bytes: int = SLAB_BYTES):
         self._stream, self._slab_bytes = stream, slab_bytes
-        self._slabs: dict[np.dtype, tuple[np.ndarray, int]] = {}  # dtype -> (slab, next element)
+        self._slabs: dict[np.dtype, _Slab] = {}  # dtype -> the slab views are carved from
+        self._next: dict[np.dtype, _Slab] = {}  # dtype -> the slab after it, once allocated
         self._lock = threading.Lock()
 
     def buffers(self, shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
@@ -141,18 +167,49 @@ class SlabCarver:
             return own_buffers(shape, dtype, storage, count, self._stream)
         step = -(-elements * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES // dtype.itemsize
         with self._lock:
-            slab, at = self._room(dtype, storage, step * count)
-            self._slabs[dtype] = (slab, at + step * count)
-        return [slab[at + i * step : at + i * step + elements].reshape(shape)
+            slab = self._room(dtype, storage, step * count)
+            at, slab.at = slab.at, slab.at + step * count
+            if slab.left * dtype.itemsize < PREFAULT_AHEAD_BYTES and dtype not in self._next:
+                self._next[dtype] = self._new_slab(dtype, storage, 0)  # warmed before it is used
+        return [slab.array[at + i * step : at + i * step + elements].reshape(shape)
                 for i in range(count)]
 
-    def _room(self, dtype: np.dtype, storage: mx.Dtype, elements: int) -> tuple[np.ndarray, int]:
-        slab, at = self._slabs.get(dtype, (None, 0))
-        if slab is None or at + elements > slab.size:
-            size = max(elements, self._slab_bytes // dtype.itemsize)
-            slab, at = np.array(unfilled_vector(size, dtype, storage, self._stream), copy=False), 0
-            advise_huge_pages(slab)  # before any byte is written: 2 MiB faults, not 4 KiB
-        return slab, at
+    def prefault(self, max_bytes: int) -> int:
+        """Fault in up to ``max_bytes`` of the memory the next views will take (pages only:
+        no byte changes, so views being written meanwhile are safe); the bytes faulted."""
+        with self._lock:
+            spans = self._spans_to_fault(max_bytes)
+        return sum(populate_write(span) for span in spans)
+
+    def _spans_to_fault(self, max_bytes: int) -> list[np.ndarray]:
+        spans = []
+        for dtype, slab in self._slabs.items():
+            ahead = PREFAULT_AHEAD_BYTES // dtype.itemsize
+            next_slab = self._next.get(dtype)
+            plan = [(slab, slab.at + ahead)]
+            if next_slab is not None:
+                plan.append((next_slab, ahead - slab.left))
+            for part, until in plan:
+                start = max(part.faulted, part.at)
+                stop = min(until, part.array.size, start + max_bytes // dtype.itemsize)
+                if stop > start:
+                    spans.append(part.array[start:stop])
+                    part.faulted = stop
+                    max_bytes -= (stop - start) * dtype.itemsize
+        return spans
+
+    def _room(self, dtype: np.dtype, storage: mx.Dtype, elements: int) -> _Slab:
+        slab = self._slabs.get(dtype)
+        if slab is None or elements > slab.left:
+            slab = self._next.pop(dtype, None)
+            if slab is None or elements > slab.left:
+                slab = self._new_slab(dtype, storage, elements)
+            self._slabs[dtype] = slab
+        return slab
+
+    def _new_slab(self, dtype: np.dtype, storage: mx.Dtype, elements: int) -> _Slab:
+        size = max(elements, self._slab_bytes // dtype.itemsize)
+        return _Slab(np.array(unfilled_vector(size, dtype, storage, self._stream), copy=False))
 
 
 def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:

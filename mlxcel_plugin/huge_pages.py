@@ -1,4 +1,5 @@
-"""Ask Linux for transparent huge pages under large receive buffers (``MADV_HUGEPAGE``).
+"""Linux memory advice for receive buffers: huge pages under large ones
+(``MADV_HUGEPAGE``), and pages faulted in ahead of use (``MADV_POPULATE_WRITE``).
 
 Why: received K/V land in fresh memory (an MLX slab per 64 MiB, freed about
 one decode step after its handoff), and the first write to each 4 KiB page
@@ -10,6 +11,15 @@ kernel still zeroes each page, so what goes is the per-page bookkeeping.
 Most distributions ship THP as ``madvise`` (used only where asked, as here);
 where it is ``never``, or off Linux, the call changes nothing and the buffer
 works as before. ``MLXCEL_HUGE_PAGES=0`` turns it off.
+
+Huge pages are not asked for under the small handoffs' shared slabs
+(engines/unfilled.py): those are faulted in ahead, a little per decode step, and
+one huge-page fault that must compact memory cost up to ~6 ms here (2 MiB at
+4 KiB pages: ~2.5 ms), too much for one step's share.
+
+``populate_write`` faults pages in without writing them (Linux 5.14+), so it may
+run while another thread writes into the same buffer; elsewhere it does nothing
+and those pages fault when first written, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 
 import numpy as np
@@ -27,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 MADV_HUGEPAGE = 14  # <linux/mman.h>
+MADV_POPULATE_WRITE = 23
 DISABLE_VAR = "MLXCEL_HUGE_PAGES"
 
 
@@ -47,6 +59,25 @@ def advise_huge_pages(buffer: np.ndarray) -> int:
         logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
         return 0
     return last - first
+
+
+def populate_write(buffer: np.ndarray) -> int:
+    """Fault in the pages under ``buffer`` writable, contents untouched; the bytes populated
+    (0 where the kernel or platform cannot)."""
+    madvise = _madvise()
+    if madvise is None or buffer.nbytes == 0 or not _populate_works[0]:
+        return 0
+    start = buffer.ctypes.data // PAGE_BYTES * PAGE_BYTES
+    size = buffer.ctypes.data + buffer.nbytes - start
+    if madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), MADV_POPULATE_WRITE) != 0:
+        _populate_works[0] = False  # EINVAL before Linux 5.14: not asked again
+        logger.debug("madvise(MADV_POPULATE_WRITE) refused: errno %d", ctypes.get_errno())
+        return 0
+    return buffer.nbytes
+
+
+PAGE_BYTES = mmap.PAGESIZE
+_populate_works = [True]
 
 
 @functools.cache

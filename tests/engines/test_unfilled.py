@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import queue
+import resource
 import threading
 
 import mlx.core as mx
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from engines import unfilled
+from mlxcel_plugin import huge_pages
 from engines.unfilled import SlabCarver, mlx_view, unfilled_vector
 
 
@@ -111,12 +113,55 @@ def test_the_header_only_stream_leaves_the_data_bytes_as_found():
     assert stream.readinto(bytearray(8)) == 0  # past the end
 
 
-def test_a_new_slab_is_advised_huge_pages_before_anything_writes_it(monkeypatch):
-    advised = []
-    monkeypatch.setattr(unfilled, "advise_huge_pages",
-                        lambda slab: advised.append((slab.ctypes.data, slab.nbytes)) or 0)
+def test_shared_slabs_are_not_advised_huge_pages(monkeypatch):
+    monkeypatch.setattr(unfilled, "advise_huge_pages", lambda slab: pytest.fail("advised"))
     carver = SlabCarver(mx.new_stream(mx.cpu), slab_bytes=8 << 20)
-    (first,) = carver.buffers((1024,), np.dtype(np.float32), mx.float32, 1)
-    carver.buffers((1024,), np.dtype(np.float32), mx.float32, 1)  # same slab: not again
-    ((at, size),) = advised
-    assert size == 8 << 20 and at == first.ctypes.data
+    carver.buffers((1024,), np.dtype(np.float32), mx.float32, 2)
+    carver.prefault(8 << 20)
+
+
+def fresh_carver(slab_bytes: int) -> SlabCarver:
+    """A carver whose slabs come fresh from the OS, not from MLX's cache of freed buffers."""
+    gc.collect()
+    mx.clear_cache()
+    return SlabCarver(mx.new_stream(mx.cpu), slab_bytes=slab_bytes)
+
+
+def minor_faults_writing(buffer: np.ndarray) -> int:
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    buffer.fill(7)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+POPULATE = huge_pages.populate_write(np.empty(4096, np.uint8)) > 0
+
+
+@pytest.mark.skipif(not POPULATE, reason="no MADV_POPULATE_WRITE (Linux 5.14+) here")
+def test_prefault_warms_the_next_views_pages_and_changes_no_byte_written():
+    f32 = np.dtype(np.float32)
+    carver = fresh_carver(32 << 20)
+    (written,) = carver.buffers((1 << 18,), f32, mx.float32, 1)  # 1 MiB, as a handoff lands
+    written[:] = np.arange(written.size, dtype=np.float32)
+    step = unfilled.PREFAULT_STEP_BYTES
+    assert carver.prefault(step) == step  # one engine iteration's share, no more
+    assert carver.prefault(64 << 20) == unfilled.PREFAULT_AHEAD_BYTES - step  # the rest due
+    assert carver.prefault(64 << 20) == 0  # nothing is faulted twice
+    assert np.array_equal(written, np.arange(written.size, dtype=np.float32))
+    (warm,) = carver.buffers((1 << 18,), f32, mx.float32, 1)
+    carver.buffers((3 << 18,), f32, mx.float32, 5)  # up to 17 MiB: one past what was due
+    (cold,) = carver.buffers((1 << 18,), f32, mx.float32, 1)
+    assert minor_faults_writing(warm) <= 8
+    assert minor_faults_writing(cold) >= 200  # 256 pages of 4 KiB, fresh
+
+
+@pytest.mark.skipif(not POPULATE, reason="no MADV_POPULATE_WRITE (Linux 5.14+) here")
+def test_the_next_slab_is_allocated_and_warmed_before_the_current_one_runs_out():
+    f32, mib = np.dtype(np.float32), 1 << 18  # elements in 1 MiB
+    carver = fresh_carver(20 << 20)
+    first = carver.buffers((3 * mib,), f32, mx.float32, 2)  # 14 MiB left: below the 16 ahead
+    carver.prefault(64 << 20)  # the current slab's 14 MiB, then the next one's first 2
+    first += carver.buffers((3 * mib,), f32, mx.float32, 4)  # 2 MiB left
+    (later,) = carver.buffers((3 * mib,), f32, mx.float32, 1)  # does not fit: the next slab
+    assert not any(set(_span(later)) & set(_span(b)) for b in first)
+    assert minor_faults_writing(later[: 2 * mib]) <= 8  # warmed while the first slab served
+    assert minor_faults_writing(later[2 * mib :]) >= 200  # past what was due: cold
