@@ -121,7 +121,9 @@ def test_shared_slabs_are_not_advised_huge_pages(monkeypatch):
 
 
 def fresh_carver(slab_bytes: int) -> SlabCarver:
-    """A carver whose slabs come fresh from the OS, not from MLX's cache of freed buffers."""
+    """A carver whose slabs come fresh from the OS: MLX's cache of freed buffers emptied, and
+    slabs over 32 MiB, which malloc always maps anew (smaller ones may reuse its heap)."""
+    assert slab_bytes > 32 << 20
     gc.collect()
     mx.clear_cache()
     return SlabCarver(mx.new_stream(mx.cpu), slab_bytes=slab_bytes)
@@ -139,7 +141,7 @@ POPULATE = huge_pages.populate_write(np.empty(4096, np.uint8)) > 0
 @pytest.mark.skipif(not POPULATE, reason="no MADV_POPULATE_WRITE (Linux 5.14+) here")
 def test_prefault_warms_the_next_views_pages_and_changes_no_byte_written():
     f32 = np.dtype(np.float32)
-    carver = fresh_carver(32 << 20)
+    carver = fresh_carver(64 << 20)
     (written,) = carver.buffers((1 << 18,), f32, mx.float32, 1)  # 1 MiB, as a handoff lands
     written[:] = np.arange(written.size, dtype=np.float32)
     step = unfilled.PREFAULT_STEP_BYTES
@@ -157,11 +159,12 @@ def test_prefault_warms_the_next_views_pages_and_changes_no_byte_written():
 @pytest.mark.skipif(not POPULATE, reason="no MADV_POPULATE_WRITE (Linux 5.14+) here")
 def test_the_next_slab_is_allocated_and_warmed_before_the_current_one_runs_out():
     f32, mib = np.dtype(np.float32), 1 << 18  # elements in 1 MiB
-    carver = fresh_carver(20 << 20)
-    first = carver.buffers((3 * mib,), f32, mx.float32, 2)  # 14 MiB left: below the 16 ahead
-    carver.prefault(64 << 20)  # the current slab's 14 MiB, then the next one's first 2
-    first += carver.buffers((3 * mib,), f32, mx.float32, 4)  # 2 MiB left
-    (later,) = carver.buffers((3 * mib,), f32, mx.float32, 1)  # does not fit: the next slab
-    assert not any(set(_span(later)) & set(_span(b)) for b in first)
-    assert minor_faults_writing(later[: 2 * mib]) <= 8  # warmed while the first slab served
-    assert minor_faults_writing(later[2 * mib :]) >= 200  # past what was due: cold
+    carver = fresh_carver(40 << 20)
+    first = carver.buffers((3 * mib,), f32, mx.float32, 9)  # 13 MiB left: below the 16 ahead
+    carver.prefault(64 << 20)  # the current slab's 13 MiB, then the next one's first 3
+    first += carver.buffers((3 * mib,), f32, mx.float32, 4)  # 1 MiB left
+    later, beyond = carver.buffers((3 * mib,), f32, mx.float32, 2)  # the next slab's first 6
+    assert all(_span(later).start >= _span(b).stop or _span(b).start >= _span(later).stop
+               for b in first)
+    assert minor_faults_writing(later) <= 8  # warmed while the first slab served
+    assert minor_faults_writing(beyond) >= 600  # past what was due: cold (768 pages)
