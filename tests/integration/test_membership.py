@@ -41,8 +41,9 @@ def start_nodes(cluster: LocalCluster, binds: list[tuple[str, str | None]]) -> N
         node.wait_healthy(STARTUP_TIMEOUT_S)
 
 
-def make_cluster(tmp_path: Path, tiny: Path, *extra: str) -> LocalCluster:
-    model = fake_model_dir(tmp_path / "model", tiny, decode_step_s=DECODE_STEP_S)
+def make_cluster(tmp_path: Path, tiny: Path, *extra: str,
+                 decode_step_s: float = DECODE_STEP_S) -> LocalCluster:
+    model = fake_model_dir(tmp_path / "model", tiny, decode_step_s=decode_step_s)
     cluster = LocalCluster(tmp_path, model=model, prefill_count=0, decode_count=0,
                            common_args=["--engine", "fake", "--no-warmup",
                                         "--served-model-name", MODEL, *extra])  # fmt: skip

@@ -46,6 +46,9 @@ LOAD_REQUESTS = 200
 LOAD_WORKERS = 4
 LOAD_DEADLINE_S = 240.0
 REQUEST_TIMEOUT_S = 30.0
+# The compatible nodes' decode step: what is checked is where 200 streams go, not how long
+# each takes (the membership tests' 20 ms step made the load ~12 s of sleeping per test).
+LOAD_STEP_S = 0.005
 
 
 class StreamingLoad:
@@ -147,7 +150,7 @@ def assert_counted(router: NodeProcess, reasons: dict[str, int]) -> None:
 
 
 def test_incompatible_decode_nodes_never_get_a_handoff_under_load(tmp_path, tiny_model_path):
-    cluster = make_cluster(tmp_path, tiny_model_path)
+    cluster = make_cluster(tmp_path, tiny_model_path, decode_step_s=LOAD_STEP_S)
     try:
         start_nodes(cluster, [("prefill", None), ("decode", None)])
         prefill, decode = cluster.nodes
@@ -181,7 +184,7 @@ def test_incompatible_decode_nodes_never_get_a_handoff_under_load(tmp_path, tiny
 
 def test_an_incompatible_node_arriving_through_the_peers_file_is_refused(
         tmp_path, tiny_model_path):
-    cluster = make_cluster(tmp_path, tiny_model_path)
+    cluster = make_cluster(tmp_path, tiny_model_path, decode_step_s=LOAD_STEP_S)
     try:
         start_nodes(cluster, [("prefill", None), ("decode", None)])
         prefill, decode = (n.serving_bind for n in cluster.nodes)
@@ -205,7 +208,7 @@ def test_an_incompatible_node_arriving_through_the_peers_file_is_refused(
 
 def test_an_incompatible_node_arriving_through_dns_is_refused(tmp_path, tiny_model_path):
     port, name = free_port(), "decode.mixed.test"  # one port, several addresses
-    cluster = make_cluster(tmp_path, tiny_model_path)
+    cluster = make_cluster(tmp_path, tiny_model_path, decode_step_s=LOAD_STEP_S)
     with LocalDns() as dns:
         try:
             start_nodes(cluster, [("prefill", None), ("decode", f"127.0.0.2:{port}")])
