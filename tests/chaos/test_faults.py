@@ -30,8 +30,8 @@ token_timeout_s = 2.0
 interval_s = 0.25
 ping_timeout_s = 0.5
 """
-KNOBS = {"autoregressive": True, "decode_step_s": 0.01, "prefill_s_per_token": 0.003}
-# Long prompts: ~0.8 s of prefill, so a fault can land before the first token.
+KNOBS = {"autoregressive": True, "decode_step_s": 0.005, "prefill_s_per_token": 0.002}
+# Long prompts: ~0.5 s of prefill, so a fault 0.3 s in lands before the first token.
 PROMPTS = [f"{'story ' * 250}number {i}" for i in range(6)]
 MAX_TOKENS = 80
 PHASES = ("before_first_token", "mid_handoff", "mid_stream")
