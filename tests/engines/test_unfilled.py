@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import queue
 import resource
 import threading
@@ -120,13 +121,16 @@ def test_shared_slabs_are_not_advised_huge_pages(monkeypatch):
     carver.prefault(8 << 20)
 
 
-def fresh_carver(slab_bytes: int) -> SlabCarver:
-    """A carver whose slabs come fresh from the OS: MLX's cache of freed buffers emptied, and
-    slabs over 32 MiB, which malloc always maps anew (smaller ones may reuse its heap)."""
-    assert slab_bytes > 32 << 20
-    gc.collect()
-    mx.clear_cache()
-    return SlabCarver(mx.new_stream(mx.cpu), slab_bytes=slab_bytes)
+@pytest.fixture
+def fresh_carver(monkeypatch):
+    """A carver whose slabs are fresh anonymous mappings: pages never touched, whatever
+    memory this process freed before (MLX or malloc may hand back pages already faulted)."""
+
+    def fresh_vector(size: int, dtype: np.dtype, storage, stream) -> np.ndarray:
+        return np.frombuffer(mmap.mmap(-1, size * dtype.itemsize), dtype=dtype)
+
+    monkeypatch.setattr(unfilled, "unfilled_vector", fresh_vector)
+    return lambda slab_bytes: SlabCarver(mx.new_stream(mx.cpu), slab_bytes=slab_bytes)
 
 
 def minor_faults_writing(buffer: np.ndarray) -> int:
@@ -139,7 +143,7 @@ POPULATE = huge_pages.populate_write(np.empty(4096, np.uint8)) > 0
 
 
 @pytest.mark.skipif(not POPULATE, reason="no MADV_POPULATE_WRITE (Linux 5.14+) here")
-def test_prefault_warms_the_next_views_pages_and_changes_no_byte_written():
+def test_prefault_warms_the_next_views_pages_and_changes_no_byte_written(fresh_carver):
     f32 = np.dtype(np.float32)
     carver = fresh_carver(64 << 20)
     (written,) = carver.buffers((1 << 18,), f32, mx.float32, 1)  # 1 MiB, as a handoff lands
@@ -157,7 +161,7 @@ def test_prefault_warms_the_next_views_pages_and_changes_no_byte_written():
 
 
 @pytest.mark.skipif(not POPULATE, reason="no MADV_POPULATE_WRITE (Linux 5.14+) here")
-def test_the_next_slab_is_allocated_and_warmed_before_the_current_one_runs_out():
+def test_the_next_slab_is_allocated_and_warmed_before_the_current_one_runs_out(fresh_carver):
     f32, mib = np.dtype(np.float32), 1 << 18  # elements in 1 MiB
     carver = fresh_carver(40 << 20)
     first = carver.buffers((3 * mib,), f32, mx.float32, 9)  # 13 MiB left: below the 16 ahead
