@@ -5,8 +5,8 @@
 #                             checks, in process: no node processes, no models served
 #                             (pytest -m quick; tests/conftest.py says which paths)
 # Tests run on three pytest-xdist workers (on 2 cores, two workers left a third of the CPU idle
-# while real-process tests waited on their nodes: the whole suite took 653 s with two, 612 s
-# with three, on one machine an hour apart); `--dist loadfile` keeps a module on one worker, so its cluster
+# while real-process tests waited on their nodes: 653 s vs 612 s for the whole suite, same
+# machine, same commit); `--dist loadfile` keeps a module on one worker, so its cluster
 # fixtures start once, and free_port gives each worker its own ports; `--no-loadscope-reorder`
 # keeps tests/conftest.py's order (modules that start processes first: xdist's own order, most
 # tests first, left the few long modules to run alone at the end). Pass `-n 0` for one process.
