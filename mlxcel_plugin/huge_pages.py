@@ -25,6 +25,7 @@ and those pages fault when first written, as before.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import mmap
@@ -37,26 +38,23 @@ from mlxcel_plugin.libc import linux_libc
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
+PAGE_BYTES = mmap.PAGESIZE
 MADV_HUGEPAGE = 14  # <linux/mman.h>
 MADV_POPULATE_WRITE = 23
 DISABLE_VAR = "MLXCEL_HUGE_PAGES"
+NO_MADVISE = -1  # ``_advise``'s answer off Linux or without madvise
+_populate_works = [True]  # False once the kernel says it has no MADV_POPULATE_WRITE
 
 
 def advise_huge_pages(buffer: np.ndarray) -> int:
     """Ask for huge pages under the 2 MiB-aligned part of ``buffer``; the bytes advised."""
     if os.environ.get(DISABLE_VAR) == "0":
         return 0
-    madvise = _madvise()
-    if madvise is None:
-        return 0
     start = buffer.ctypes.data
     end = start + buffer.nbytes
     first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if last <= first:
-        return 0
-    if madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+    if last <= first or _advise(first, last - first, MADV_HUGEPAGE, "MADV_HUGEPAGE") != 0:
         return 0
     return last - first
 
@@ -64,20 +62,26 @@ def advise_huge_pages(buffer: np.ndarray) -> int:
 def populate_write(buffer: np.ndarray) -> int:
     """Fault in the pages under ``buffer`` writable, contents untouched; the bytes populated
     (0 where the kernel or platform cannot)."""
-    madvise = _madvise()
-    if madvise is None or buffer.nbytes == 0 or not _populate_works[0]:
+    if buffer.nbytes == 0 or not _populate_works[0]:
         return 0
     start = buffer.ctypes.data // PAGE_BYTES * PAGE_BYTES
     size = buffer.ctypes.data + buffer.nbytes - start
-    if madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), MADV_POPULATE_WRITE) != 0:
-        _populate_works[0] = False  # EINVAL before Linux 5.14: not asked again
-        logger.debug("madvise(MADV_POPULATE_WRITE) refused: errno %d", ctypes.get_errno())
+    failed = _advise(start, size, MADV_POPULATE_WRITE, "MADV_POPULATE_WRITE")
+    if failed == errno.EINVAL:  # before Linux 5.14: not asked again (a transient error is)
+        _populate_works[0] = False
+    return 0 if failed else buffer.nbytes
+
+
+def _advise(start: int, size: int, advice: int, name: str) -> int:
+    """``madvise(start, size, advice)``: 0, or the errno it failed with (``NO_MADVISE``)."""
+    madvise = _madvise()
+    if madvise is None:
+        return NO_MADVISE
+    if madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), advice) == 0:
         return 0
-    return buffer.nbytes
-
-
-PAGE_BYTES = mmap.PAGESIZE
-_populate_works = [True]
+    code = ctypes.get_errno()
+    logger.debug("madvise(%s) refused: errno %d", name, code)
+    return code or NO_MADVISE
 
 
 @functools.cache

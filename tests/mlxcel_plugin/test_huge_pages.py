@@ -48,3 +48,19 @@ def test_advised_memory_faults_in_huge_pages():
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     # 4 KiB pages would be 16,384 faults; huge pages (where the kernel has them) far fewer.
     assert faults < 8192, faults
+
+
+def test_populate_stops_asking_only_a_kernel_without_it(monkeypatch):
+    import errno
+
+    answers = [errno.EINTR, 0, errno.EINVAL]
+    calls = []
+    monkeypatch.setattr(huge_pages, "_populate_works", [True])
+    monkeypatch.setattr(huge_pages, "_advise",
+                        lambda *args: calls.append(args[2]) or answers[len(calls) - 1])
+    buffer = np.empty(4 * huge_pages.PAGE_BYTES, dtype=np.uint8)
+    assert huge_pages.populate_write(buffer) == 0  # interrupted: asked again next time
+    assert huge_pages.populate_write(buffer) == buffer.nbytes
+    assert huge_pages.populate_write(buffer) == 0  # EINVAL: no MADV_POPULATE_WRITE here
+    assert huge_pages.populate_write(buffer) == 0
+    assert calls == [huge_pages.MADV_POPULATE_WRITE] * 3
