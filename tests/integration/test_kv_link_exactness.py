@@ -16,7 +16,8 @@ The test asserts ``[first token] + decoded tokens == reference``. This is the
 focused KV-path check; the full prefill/decode nodes are tested elsewhere.
 
 Run a child by hand: ``python -m tests.integration.test_kv_link_exactness decode MODEL``
-or ``... prefill MODEL HOST:PORT`` (JSON lines on stdin/stdout).
+or ``... prefill MODEL`` (JSON lines on stdin/stdout; the prefill child's first line is
+``{"decode": "HOST:PORT"}``).
 """
 
 from __future__ import annotations
@@ -218,16 +219,18 @@ async def _prefill_and_send(
         await _send(lanes, strategy.add_layer(*item))
 
 
-async def _prefill_main(model: str, decode_addr: str) -> None:
+async def _prefill_main(model: str) -> None:
     from mlxcel_plugin.engine_api import GenerationRequest
     from mlxcel_plugin.link.dial import dial_link
 
     engine = _load_engine(model)
+    loop = asyncio.get_running_loop()
+    # The decode child's address comes once it listens: both children load their model meanwhile.
+    decode_addr = json.loads(await loop.run_in_executor(None, sys.stdin.readline))["decode"]
     lanes = [
         await dial_link(decode_addr, SECRET, "prefill", "exact-prefill", config=_link_config())
         for _ in range(max(LANES.values()))
     ]
-    loop = asyncio.get_running_loop()
     _emit_line({"ready": True})
     while line := await loop.run_in_executor(None, sys.stdin.readline):  # until stdin closes
         case = json.loads(line)
@@ -244,7 +247,7 @@ def _child_main(argv: list[str]) -> None:
     if argv[0] == "decode":
         asyncio.run(_decode_main(argv[1]))
     elif argv[0] == "prefill":
-        asyncio.run(_prefill_main(argv[1], argv[2]))
+        asyncio.run(_prefill_main(argv[1]))
     else:
         raise SystemExit(f"unknown child role {argv[0]!r}")
 
@@ -311,15 +314,14 @@ class Pair:
 
 def start_pair(model: Path) -> Iterator[Pair]:
     decode = Child(["decode", str(model)])
-    prefill = None
+    prefill = Child(["prefill", str(model)])  # loads its model while the decode child does
     try:
         port = decode.read(START_TIMEOUT_S)["port"]
-        prefill = Child(["prefill", str(model), f"{LOOPBACK}:{port}"])
+        prefill.write({"decode": f"{LOOPBACK}:{port}"})
         assert prefill.read(START_TIMEOUT_S)["ready"]
         yield Pair(prefill, decode)
     finally:
-        if prefill is not None:
-            prefill.stop()
+        prefill.stop()
         decode.stop()
 
 
@@ -361,12 +363,14 @@ def test_tiny_handoff_over_link_is_exact(
     check(tiny_pair, make_case(strategy, codec, length, max_tokens=12))
 
 
-# ---- SmolLM2: fewer cases (real weights, 30 layers, ~0.2 s per decoded token)
+# ---- SmolLM2: fewer cases (real weights, 30 layers, ~0.2 s per decoded token). The long prompt
+# spans six prefill chunks and a partial one; 2001 tokens (16 chunks) stay with the tiny model,
+# where the prompt is cheap: on SmolLM2 its two prefills took ~30 s of the suite.
 
 
 SMOLLM2_CASES: list[Callable[[], dict[str, Any]]] = [
     lambda: make_case("streamed", "none", 257, 8),
-    lambda: make_case("layer-parallel", "lz4", 2001, 6),
+    lambda: make_case("layer-parallel", "lz4", 801, 6),
     lambda: make_case("full", "lz4", 1, 8),
 ]
 
@@ -378,7 +382,7 @@ def smollm2_pair(smollm2_model_path: Path) -> Iterator[Pair]:
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize(
-    "make", SMOLLM2_CASES, ids=["streamed-none-257", "lp3-lz4-2001", "full-lz4-1"]
+    "make", SMOLLM2_CASES, ids=["streamed-none-257", "lp3-lz4-801", "full-lz4-1"]
 )
 def test_smollm2_handoff_over_link_is_exact(
     smollm2_pair: Pair, make: Callable[[], dict[str, Any]]
