@@ -13,19 +13,23 @@ Where: ``MLXCEL_PROBE_CACHE_DIR``, else ``$MLXCEL_CACHE_DIR/reuse-probe``, else
 ``$XDG_CACHE_HOME/mlxcel/reuse-probe`` (``~/.cache`` when unset).
 ``MLXCEL_NO_PROBE_CACHE=1`` probes at every start.
 One JSON file per key; written to a temporary file and renamed, so a reader
-never sees half of one. A file that cannot be read or parsed is ignored with
+never sees half of one. A node that finds no answer probes holding a lock
+(``flock`` on the key's ``.lock`` file): nodes started together on one
+machine probe once, the others read the answer. A file that cannot be read or parsed is ignored with
 one log line and replaced after probing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +68,35 @@ def remembered(key: dict[str, Any] | None, probe: Probe,
         return probe()
     path = directory / f"{_digest(key)[:32]}.json"
     found, rows = _load(path, key)
-    if found:
-        log.info("prefix cache: %s (the probe's answer kept in %s)",
-                 f"any prompt token reusable (forwards of >= {rows} rows are exact)" if rows
-                 else "whole chunks reusable", path)
-        return rows
-    rows = probe()
-    _store(path, key, rows)
+    if not found:
+        with _probing(path):  # nodes started together on one machine probe once
+            found, rows = _load(path, key, warn=False)  # the lock's last holder may have written it
+            if not found:
+                rows = probe()
+                _store(path, key, rows)
+                return rows
+    log.info("prefix cache: %s (the probe's answer kept in %s)",
+             f"any prompt token reusable (forwards of >= {rows} rows are exact)" if rows
+             else "whole chunks reusable", path)
     return rows
+
+
+@contextlib.contextmanager
+def _probing(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the key's lock file while one process probes: the others
+    wait for its answer instead of each running the same forwards. Without a writable
+    directory there is nothing to share: no lock (``_store`` says why once)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if the holder dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def probe_key(config: EngineConfig, info: ModelInfo,
@@ -97,13 +122,14 @@ def _mlx_identity() -> dict[str, str]:
             "device": str(mx.default_device())}
 
 
-def _load(path: Path, key: dict[str, Any]) -> tuple[bool, int | None]:
+def _load(path: Path, key: dict[str, Any], warn: bool = True) -> tuple[bool, int | None]:
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):  # nothing kept yet
         return False, None
     except OSError as exc:
-        log.warning("prefix cache: ignoring unreadable probe cache %s (%s)", path, exc)
+        if warn:
+            log.warning("prefix cache: ignoring unreadable probe cache %s (%s)", path, exc)
         return False, None
     try:
         stored = json.loads(text)
@@ -113,7 +139,9 @@ def _load(path: Path, key: dict[str, Any]) -> tuple[bool, int | None]:
         reason = "another key" if stored["key"] != key else f"min_rows {rows!r}"
     except (ValueError, KeyError, TypeError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
-    log.warning("prefix cache: ignoring corrupt probe cache %s (%s); probing again", path, reason)
+    if warn:
+        log.warning("prefix cache: ignoring corrupt probe cache %s (%s); probing again", path,
+                    reason)
     return False, None
 
 

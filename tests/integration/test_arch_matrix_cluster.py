@@ -51,10 +51,10 @@ def normalize(body: str) -> str:
                      for line in body.split("\n"))
 
 
-def bodies(url: str) -> list[str]:
+def bodies(url: str, cases: list[tuple[str, dict]] = CASES) -> list[str]:
     out = []
     with httpx.Client(timeout=300) as http:
-        for path, body in CASES:
+        for path, body in cases:
             response = http.post(f"{url}{path}", json={"model": MODEL, **body})
             assert response.status_code == 200, response.text
             out.append(normalize(response.text))

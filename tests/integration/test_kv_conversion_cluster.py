@@ -145,6 +145,11 @@ def test_a_handoff_between_dtypes_converts_and_completes(tmp_path: Path, sender:
     print(f"\n{sender} -> {receiver}: {handoffs:.0f} handoffs, {sent_bytes:.0f} bytes sent")
 
 
+# A completion and a stream: float16 steps on a CPU are slow (MLX's own kernels), and the
+# chat cases cross the same conversion (the tiny models above take all four).
+SMOLLM2_CASES = CASES[:2]
+
+
 @pytest.mark.smollm2
 def test_smollm2_float32_prefill_to_a_float16_decode_node(tmp_path: Path):
     model = ensure_default_model(model_cache_root())
@@ -153,12 +158,13 @@ def test_smollm2_float32_prefill_to_a_float16_decode_node(tmp_path: Path):
     try:
         prefill, decode, router = pair.start(model, narrow)
         entry = node_entry(router_stats(router.url), "decode", decode.serving_bind)
-        routed = bodies(router.url)
-        handoffs = handoff_count(prefill.url)
+        routed = bodies(router.url, SMOLLM2_CASES)
+        handoffs = handoff_count(prefill.url, len(SMOLLM2_CASES))
     finally:
         pair.stop()
     assert entry["converts"] == [{"with": entry["pairs"][0], "converts": "float32->float16"}]
-    assert handoffs == len(CASES) and len(routed) == len(CASES)
+    assert handoffs == len(SMOLLM2_CASES) and len(routed) == len(SMOLLM2_CASES)
+    assert routed[1].rstrip().endswith("data: [DONE]")
 
 
 def test_a_plain_prefill_node_hands_off_to_a_kv_bits_decode_node(tmp_path: Path):

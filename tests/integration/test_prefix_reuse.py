@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -157,8 +158,10 @@ def test_smollm2_nodes_reuse_any_prompt_token_and_match_cache_off(smollm2_model_
     every reply is still the cache-off node's.
     """
     chat = {"system": SYSTEM[:1200], "turns_asked": 3}
-    plain, _ = hybrid_run(tmp_path, str(smollm2_model_path), 0, **chat)
-    cached, hits = hybrid_run(tmp_path, str(smollm2_model_path), 1 << 30, **chat)
+    with ThreadPoolExecutor(2) as both:  # the two nodes start and converse side by side
+        runs = [both.submit(hybrid_run, tmp_path, str(smollm2_model_path), cache_bytes, **chat)
+                for cache_bytes in (0, 1 << 30)]
+        (plain, _), (cached, hits) = (run.result() for run in runs)
     assert [reply for reply, _ in cached] == [reply for reply, _ in plain]
     assert hits == sum(tokens for _, tokens in cached) > 0
     if not openblas.has_avx512(openblas.read_cpu_flags()):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,8 +50,9 @@ def test_a_second_engine_start_reuses_the_probe_answer(tiny_model_path, tmp_path
     second = _start(tiny_model_path)
     assert len(probes) == 1
     assert first == second == (probes[0] or 0)
-    files = os.listdir(tmp_path / "probe-cache")
-    assert len(files) == 1 and files[0].endswith(".json")  # no temporary file left behind
+    files = sorted(os.listdir(tmp_path / "probe-cache"))
+    assert len(files) == 2 and files[0].endswith(".json")  # no temporary file left behind
+    assert files[1] == files[0].replace(".json", ".lock")  # the probers' lock, kept
 
 
 def test_a_changed_key_probes_again(tiny_model_path, probes, monkeypatch):
@@ -78,7 +81,7 @@ def test_a_corrupt_file_is_ignored_with_one_log_line(tmp_path, caplog, body):
     runs = []
     probe = lambda: runs.append(1) or 16  # noqa: E731
     assert probe_cache.remembered(KEY, probe, tmp_path) == 16
-    (path,) = tmp_path.iterdir()
+    (path,) = tmp_path.glob("*.json")
     path.write_text(body)
     with caplog.at_level(logging.INFO, logger=probe_cache.__name__):
         assert probe_cache.remembered(KEY, probe, tmp_path) == 16
@@ -94,6 +97,25 @@ def test_whole_cells_are_remembered_too(tmp_path):
     assert probe_cache.remembered(KEY, lambda: runs.append(1), tmp_path) is None
     assert probe_cache.remembered(KEY, lambda: runs.append(1), tmp_path) is None
     assert len(runs) == 1
+
+
+def test_starts_at_once_probe_once_and_share_the_answer(tmp_path):
+    """Threads stand in for nodes: each open() of the lock file is its own flock holder."""
+    inside, most_inside, runs = [0], [0], []
+
+    def probe() -> int:
+        inside[0] += 1
+        most_inside[0] = max(most_inside[0], inside[0])
+        time.sleep(0.05)  # the others reach the lock while this one probes
+        runs.append(1)
+        inside[0] -= 1
+        return 16
+
+    with ThreadPoolExecutor(4) as starts:
+        answers = list(starts.map(lambda _: probe_cache.remembered(KEY, probe, tmp_path),
+                                  range(4)))
+    assert answers == [16] * 4
+    assert (len(runs), most_inside[0]) == (1, 1)
 
 
 def test_an_unwritable_directory_still_gives_the_answer(tmp_path, caplog):
