@@ -35,7 +35,8 @@ report reads ``n/a``.
         [--workloads chat,agent] [--concurrent] [--deadline-s 900]
 
 Default model: the embedded SmolLM2-135M; ``--quick``: the tiny test model,
-2 conversations x 3 turns of short prompts (about a minute, mostly start-ups).
+2 conversations x 3 turns of short prompts (about half a minute, mostly start-ups, each
+node forked from one process that imported its libraries: mlxcel_plugin/node_forkserver.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ from bench_common import (
     write_toml_config,
 )
 from multiturn_workloads import Workload, make_workloads
+
+from mlxcel_plugin import local_cluster
 
 NA = "n/a"
 START_TIMEOUT_S = 300.0
@@ -539,6 +542,8 @@ def resolve_model(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.model = resolve_model(args)
+    if args.quick:  # a smoke run is mostly start-ups: fork the nodes (~1 CPU-s each, not ~3)
+        local_cluster.fork_nodes()
     workloads = make_workloads(args.workloads, args.conversations, args.quick)
     runs: list[TurnRun] = []
     with tempfile.TemporaryDirectory(prefix="bench-multiturn-") as temp:
