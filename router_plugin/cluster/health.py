@@ -7,7 +7,10 @@ unreachable within ``ping_timeout_s`` + one interval, and its requests hear
 ``lost`` at once (the link is aborted, not closed with a handshake the hung
 peer would never answer). Nodes answer PINGs on their link's reader task,
 not behind the engine, so a busy node still answers. Disconnected peers are
-redialed by their own dialers, with backoff.
+redialed by their own dialers, with backoff. Silence the router may have caused
+itself drops nothing at once: after a tick that came late (this loop stalled),
+or with every connected peer silent in the same round (this process starved of
+CPU, reading late), peers are dropped only past three timeouts.
 
 Before answering 503 because no prefill (or decode) node is healthy, the
 router asks ``reprobe``: single-flight through ``ReprobeGate`` (at most one
@@ -30,6 +33,7 @@ from router_plugin.cluster.admission import RefusalCause, ReprobeGate
 from router_plugin.cluster.peer_links import PeerLink, PeerLinks
 
 logger = logging.getLogger(__name__)
+ALL_SILENT_GRACE = 3  # ping timeouts: every peer silent at once is dropped only after this
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,24 @@ class HealthMonitor:
             # be unread, so their silence proves nothing this round.
             stalled = now - last_tick_s > interval_s + self.config.ping_timeout_s / 2
             last_tick_s = now
-            await asyncio.gather(*(self._check(peer, stalled)
-                                   for peer in list(self.peers.peers.values())))
+            peers = list(self.peers.peers.values())
+            stalled = stalled or self._all_silent_at_once(peers)
+            await asyncio.gather(*(self._check(peer, stalled) for peer in peers))
+
+    def _all_silent_at_once(self, peers: list[PeerLink]) -> bool:
+        """Every connected peer (two or more) past the timeout in the same round, none yet
+        past ``ALL_SILENT_GRACE`` timeouts: more likely this router, starved of CPU and
+        reading late, than every node hung at once (as memberlist's Lifeguard reasons)."""
+        silences = [peer.silent_s() for peer in peers if peer.connected]
+        timeout_s = self.config.ping_timeout_s
+        if len(silences) < 2 or min(silences) <= timeout_s:
+            return False
+        if max(silences) > ALL_SILENT_GRACE * timeout_s:
+            return False  # long enough: they are gone, or this router cannot serve anyway
+        logger.warning("every peer silent for %.1f-%.1fs at once: reading late, not dropping "
+                       "them before %.1fs", min(silences), max(silences),
+                       ALL_SILENT_GRACE * timeout_s)
+        return True
 
     async def _check(self, peer: PeerLink, stalled: bool) -> None:
         if not peer.connected:

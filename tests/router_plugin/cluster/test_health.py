@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from router_plugin.cluster.health import HealthConfig, HealthMonitor
+from router_plugin.cluster.health import ALL_SILENT_GRACE, HealthConfig, HealthMonitor
 
 pytestmark = pytest.mark.timeout(30)
 FAST = HealthConfig(interval_s=0.05, ping_timeout_s=0.3)
@@ -74,5 +74,23 @@ def test_a_stalled_router_loop_does_not_drop_peers_it_could_not_read() -> None:
         await asyncio.sleep(0.2)
         await monitor.close()
         assert quiet.dropped is None
+
+    asyncio.run(main())
+
+
+def test_every_peer_silent_at_once_is_dropped_only_after_the_grace() -> None:
+    """Silence from all at once reads as this router starved; past the grace, they go."""
+    async def main():
+        peers = [FakePeer(f"decode-{i}", answers=False) for i in range(2)]
+        monitor = HealthMonitor(FakePeers(*peers), FAST)
+        started = time.monotonic()
+        monitor.start()
+        async with asyncio.timeout(5):
+            while any(peer.dropped is None for peer in peers):  # bounded by the timeout
+                await asyncio.sleep(0.01)
+        took_s = time.monotonic() - started
+        await monitor.close()
+        assert took_s > ALL_SILENT_GRACE * FAST.ping_timeout_s
+        assert all("silent for" in peer.dropped and peer.pings >= 3 for peer in peers)
 
     asyncio.run(main())
