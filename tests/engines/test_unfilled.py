@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from engines import unfilled
-from mlxcel_plugin import huge_pages
 from engines.unfilled import SlabCarver, mlx_view, unfilled_vector
+from mlxcel_plugin import huge_pages
 
 
 @pytest.fixture
