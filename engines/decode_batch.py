@@ -238,6 +238,11 @@ class DecodeBatch:
         return sum(len(g.sequences) for g in self._groups)
 
     @property
+    def head(self) -> Head | None:
+        """The vocabulary projection groups share (``vocab_head``), checked once per batch."""
+        return self._head
+
+    @property
     def sequences(self) -> list[Sequence]:
         return [s for g in self._groups for s in g.sequences]
 

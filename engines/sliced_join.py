@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engines.decode_batch import Head, Sequence, vocab_head
+from engines.decode_batch import Head, Sequence
 
 # A joining sequence's first forward is spread over this many steps.
 JOIN_SLICES = 4
@@ -117,7 +117,7 @@ def sliced_joins(model: nn.Module, batch: Any) -> SlicedJoins | None:
     proposes (a draft joins a sequence on its context: it would have to catch up)."""
     if getattr(batch, "drafts", False):
         return None
-    body = LayeredBody.of(model, vocab_head(model))
+    body = LayeredBody.of(model, batch.head)  # the batch checked it (two forwards) already
     return SlicedJoins(body) if body is not None else None
 
 
