@@ -260,9 +260,12 @@ class DecodeBatch:
             self._groups.append(_Group([sequence], own, [cached_tokens(own)], ready=ready))
             return
         lengths = [list(g.lengths) for g in self._groups]
+        # A ready group's next step is its one row through the head: a sequence joining it
+        # would get no row (the step's rows one short) and no forward for its K/V.
+        closed = {i for i, g in enumerate(self._groups) if g.ready is not None}
         joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
         for sequence, own in zip(sequences, caches, strict=True):
-            target = self._target_group(lengths, own, sequence.steps_left)
+            target = self._target_group(lengths, own, sequence.steps_left, closed)
             if target == len(lengths):
                 lengths.append([])
                 joining.append([])
@@ -275,29 +278,32 @@ class DecodeBatch:
     def opens_group(self, caches: list[Any], steps_left: int | None) -> bool:
         """Whether a sequence with these caches would get a forward of its own (``add``)."""
         lengths = [g.lengths for g in self._groups]
-        return self._target_group(lengths, caches, steps_left) == len(lengths)
+        closed = {i for i, g in enumerate(self._groups) if g.ready is not None}
+        return self._target_group(lengths, caches, steps_left, closed) == len(lengths)
 
     def _target_group(self, lengths: list[list[int]], caches: list[Any],
-                      steps_left: int | None) -> int:
-        """The group a sequence with ``caches`` joins, given the groups' ``lengths``;
-        ``len(lengths)``: a new one."""
+                      steps_left: int | None, closed: set[int] = frozenset()) -> int:
+        """The group a sequence with ``caches`` joins, given the groups' ``lengths``, never
+        one in ``closed``; ``len(lengths)``: a new one."""
         if not mergeable(caches):  # quantized K/V have no batch form: a group of its own
             return len(lengths)
         cost = forward_cost_tokens(self._weights_bytes, caches)
-        return self._pick_group(lengths, cached_tokens(caches), steps_left, cost)
+        return self._pick_group(lengths, cached_tokens(caches), steps_left, cost, closed)
 
     @staticmethod
     def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None,
-                    forward_tokens: int = FORWARD_COST_TOKENS) -> int:
+                    forward_tokens: int = FORWARD_COST_TOKENS,
+                    closed: set[int] = frozenset()) -> int:
         """The group a sequence of ``n`` tokens joins; ``len(lengths)``: a new one."""
+        open_groups = [i for i in range(len(lengths)) if i not in closed]
         candidates = [
             i
-            for i, held in enumerate(lengths)
-            if fits(held, n) and worth_joining(held, n, steps_left, forward_tokens)
+            for i in open_groups
+            if fits(lengths[i], n) and worth_joining(lengths[i], n, steps_left, forward_tokens)
         ]
-        if not candidates and len(lengths) < MAX_GROUPS:
+        if not candidates and (len(lengths) < MAX_GROUPS or not open_groups):
             return len(lengths)
-        pool = candidates or range(len(lengths))
+        pool = candidates or open_groups
         return min(pool, key=lambda i: added_padding(lengths[i], n))
 
     def keep(self, indices: list[int]) -> None:

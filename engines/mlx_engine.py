@@ -321,11 +321,11 @@ class MlxEngine:
         started = time.perf_counter()
         try:
             rows = self._batch.step_rows()  # engines/speculative/: 1 + k rows a sequence
-        except Exception as exc:  # a failed step fails the batch, not the engine
+            keep = self._batch.advance(rows, self._advance)  # each accepted token: an event
+        except Exception as exc:  # a failed step fails the batch's requests, not the engine
             log.exception("decode step failed")
             self._fail_batch(exc)
             return
-        keep = self._batch.advance(rows, self._advance)  # each accepted token: its own event
         if self._prefix.reuse_generated and len(keep) < len(rows):
             self._store_finished(set(range(len(rows))) - set(keep))
         self._batch.keep(keep)

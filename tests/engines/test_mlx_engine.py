@@ -235,6 +235,26 @@ def test_mismatched_cache_shape_is_refused(engine):
     assert events.wait()[-1].finish_reason == FINISH_ERROR
 
 
+def test_a_step_that_fails_after_its_forward_fails_its_requests_not_the_engine(engine,
+                                                                               monkeypatch):
+    """Taking the rows (``advance``) raising once: that batch's requests end with an error
+    and the engine thread goes on (it had died, leaving every stream hanging)."""
+    real = engine._batch.advance
+    calls = []
+
+    def fails_once(rows, advance_one):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("rows and sequences out of step")
+        return real(rows, advance_one)
+
+    monkeypatch.setattr(engine._batch, "advance", fails_once)
+    failed = support.generate(engine, request("advance-fails", 12))
+    assert failed.last.finish_reason == FINISH_ERROR and "out of step" in failed.last.error
+    served = support.generate(engine, request("after-it", 12, max_tokens=4))
+    assert served.last.finish_reason != FINISH_ERROR and len(served.tokens) == 4
+
+
 def test_too_long_prompt_fails_alone(engine):
     running = support.Events()
     ok = request("ok", 50, max_tokens=40)

@@ -48,6 +48,26 @@ def test_a_first_forward_in_slices_equals_the_whole_step_bit_for_bit(model):
         assert np.array_equal(np.array(a.values[..., :303, :]), np.array(b.values[..., :303, :]))
 
 
+def test_a_sequence_arriving_while_a_group_is_ready_gets_a_group_and_a_row_of_its_own(model):
+    """A ready group's step is its head row only: a newcomer that joined it got no row, and the
+    engine thread died on the short rows (a hybrid node under locust load)."""
+    first, sliced_caches = handed_off(model, 40, seed=2)
+    newcomer_first, newcomer_caches = handed_off(model, 40, seed=3)
+    _, alone_caches = handed_off(model, 40, seed=3)
+    joins = SlicedJoins(LayeredBody.of(model, vocab_head(model)), slices=1)
+    joins.begin(sequence("s", first), sliced_caches)
+    ((forward, output),) = joins.step({"s"}, lambda sequences: None)
+    batch, alone = DecodeBatch(model), DecodeBatch(model)
+    batch.add([forward.sequence], [sliced_caches], ready=output)
+    assert batch.opens_group(newcomer_caches, 8)  # the ready group takes no one
+    batch.add([sequence("n", newcomer_first)], [newcomer_caches])
+    alone.add([sequence("n", newcomer_first)], [alone_caches])
+    assert batch.group_sizes == [1, 1]
+    rows = batch.step()
+    assert rows.shape[0] == len(batch) == 2
+    assert np.array_equal(rows[1:], alone.step())  # the newcomer's own forward, its own row
+
+
 def test_a_cancelled_sequence_is_dropped_mid_forward(model):
     first, caches = handed_off(model, 40)
     joins = SlicedJoins(LayeredBody.of(model, vocab_head(model)))

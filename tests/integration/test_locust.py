@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.request import urlopen
 
+import httpx
 import pytest
 
 from mlxcel_plugin.local_cluster import LocalCluster, NodeProcess, start_node
@@ -81,9 +82,21 @@ def assert_healthy_run(done: subprocess.CompletedProcess[str], prefix: Path) -> 
     assert float(stats[("METRIC", "TTFT")]["Median Response Time"]) < 30_000
 
 
+def assert_still_serving(url: str) -> None:
+    """After the run, a fresh request is answered: the run left the server whole (a decode
+    step that killed the engine thread once left every stream hanging while locust's stop
+    timeout hid it)."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    reply = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": model, "prompt": "After the run", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2, \
+        reply.text
+
+
 def test_locust_streams_against_hybrid(hybrid_node: NodeProcess, tmp_path: Path) -> None:
     prefix = tmp_path / "run"
     assert_healthy_run(run_locust(hybrid_node.url, prefix), prefix)
+    assert_still_serving(hybrid_node.url)
 
 
 def test_locust_streams_against_a_router_cluster(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -91,6 +104,7 @@ def test_locust_streams_against_a_router_cluster(tiny_model_path: Path, tmp_path
     with cluster:
         prefix = tmp_path / "run"
         assert_healthy_run(run_locust(cluster.router.url, prefix), prefix)
+        assert_still_serving(cluster.router.url)
         stats = json.loads(urlopen(f"{cluster.router.url}/router/stats", timeout=10).read())
     assert stats["metrics"]["completed"] > 0 and stats["metrics"]["failed"] == 0
 
