@@ -260,12 +260,9 @@ class DecodeBatch:
             self._groups.append(_Group([sequence], own, [cached_tokens(own)], ready=ready))
             return
         lengths = [list(g.lengths) for g in self._groups]
-        # A ready group's next step is its one row through the head: a sequence joining it
-        # would get no row (the step's rows one short) and no forward for its K/V.
-        closed = {i for i, g in enumerate(self._groups) if g.ready is not None}
         joining: list[list[tuple[Sequence, list[Any]]]] = [[] for _ in self._groups]
         for sequence, own in zip(sequences, caches, strict=True):
-            target = self._target_group(lengths, own, sequence.steps_left, closed)
+            target = self._target_group(lengths, own, sequence.steps_left)
             if target == len(lengths):
                 lengths.append([])
                 joining.append([])
@@ -278,15 +275,17 @@ class DecodeBatch:
     def opens_group(self, caches: list[Any], steps_left: int | None) -> bool:
         """Whether a sequence with these caches would get a forward of its own (``add``)."""
         lengths = [g.lengths for g in self._groups]
-        closed = {i for i, g in enumerate(self._groups) if g.ready is not None}
-        return self._target_group(lengths, caches, steps_left, closed) == len(lengths)
+        return self._target_group(lengths, caches, steps_left) == len(lengths)
 
     def _target_group(self, lengths: list[list[int]], caches: list[Any],
-                      steps_left: int | None, closed: set[int] = frozenset()) -> int:
-        """The group a sequence with ``caches`` joins, given the groups' ``lengths``, never
-        one in ``closed``; ``len(lengths)``: a new one."""
+                      steps_left: int | None) -> int:
+        """The group a sequence with ``caches`` joins, given the groups' ``lengths`` (groups
+        ``add`` is opening come after this batch's); ``len(lengths)``: a new one."""
         if not mergeable(caches):  # quantized K/V have no batch form: a group of its own
             return len(lengths)
+        # A ready group's next step is its one row through the head: a sequence joining it
+        # would get no row (the step's rows one short) and no forward for its K/V.
+        closed = {i for i, g in enumerate(self._groups) if g.ready is not None}
         cost = forward_cost_tokens(self._weights_bytes, caches)
         return self._pick_group(lengths, cached_tokens(caches), steps_left, cost, closed)
 

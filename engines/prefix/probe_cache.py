@@ -15,8 +15,8 @@ Where: ``MLXCEL_PROBE_CACHE_DIR``, else ``$MLXCEL_CACHE_DIR/reuse-probe``, else
 One JSON file per key; written to a temporary file and renamed, so a reader
 never sees half of one. A node that finds no answer probes holding a lock
 (``flock`` on the key's ``.lock`` file): nodes started together on one
-machine probe once, the others read the answer. A file that cannot be read or parsed is ignored with
-one log line and replaced after probing.
+machine probe once, the others read the answer. A file that cannot be read or
+parsed is ignored with one log line and replaced after probing.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ unreachable within ``ping_timeout_s`` + one interval, and its requests hear
 peer would never answer). Nodes answer PINGs on their link's reader task,
 not behind the engine, so a busy node still answers. Disconnected peers are
 redialed by their own dialers, with backoff. Silence the router may have caused
-itself drops nothing at once: after a tick that came late (this loop stalled),
-or with every connected peer silent in the same round (this process starved of
-CPU, reading late), peers are dropped only past three timeouts.
+itself drops nothing at once: a tick that came late (this loop stalled) only
+pings, and every connected peer silent in the same round (this process starved
+of CPU, reading late) is dropped only once silent for three timeouts.
 
 Before answering 503 because no prefill (or decode) node is healthy, the
 router asks ``reprobe``: single-flight through ``ReprobeGate`` (at most one
