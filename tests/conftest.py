@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import openblas_child
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 # `scripts/test.sh --quick` runs `-m quick`: the pure core, the router's parts, the contracts and
@@ -55,6 +57,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module_rank[item.path] = min(module_rank.get(item.path, 2), _start_rank(item))
     items.sort(key=lambda item: module_rank[item.path])  # stable: a module's order is kept
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    """Tests marked ``openblas_child`` run in a child with OpenBLAS under MLX (its module says
+    why); the others as usual."""
+    env = openblas_child.child_env(item)
+    if env is None:
+        return None
+    openblas_child.run_protocol(item, env)
+    return True
 
 
 def model_cache_root() -> Path:

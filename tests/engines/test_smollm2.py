@@ -15,6 +15,7 @@ from tests.engines import support
 
 
 @pytest.mark.smollm2
+@pytest.mark.openblas_child
 def test_capital_of_france_is_paris(smollm2_model_path):
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_model_path))

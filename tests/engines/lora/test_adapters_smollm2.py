@@ -17,7 +17,7 @@ from tests.engines.lora.test_adapters import greedy
 
 PROMPT = [[1, 504, 3000, 28, 7, 95, 42, 17]]
 STEPS = 8
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.openblas_child]
 
 
 def test_a_smollm2_adapter_is_what_mlx_lm_fuses(smollm2_model_path: Path, tmp_path: Path):

@@ -1,7 +1,7 @@
 """SmolLM2-135M as its own draft, and with prompt lookup: greedy replies equal plain greedy
-decoding on a chat question. One short prompt: in process (no OpenBLAS preload) SmolLM2
-prefills ~10 tokens/s here, so the longer prompts and the flip rate over 32 prompts, code
-edits and tool calls included, are ``loadtests/bench_speculative.py``'s (docs/speculative.md)."""
+decoding on a chat question (in a child with OpenBLAS under MLX: tests/openblas_child.py).
+One short prompt: the longer prompts and the flip rate over 32 prompts, code edits and tool
+calls included, are ``loadtests/bench_speculative.py``'s (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.engines import support
 
 MAX_TOKENS = 16
 REPLY_TIMEOUT_S = 300  # SmolLM2 on a loaded CPU
-pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.smollm2, pytest.mark.openblas_child, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
