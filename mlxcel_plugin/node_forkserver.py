@@ -37,6 +37,7 @@ PRELOAD = (
     # The project's roles too (~0.35 s more per start): none reads the environment at import
     # (settings are read in main()), and the CLI module itself stays out, run fresh by runpy.
     "mlxcel_plugin.nodes.roles", "router_plugin.roles", "engines.plugin", "engines.mlx_engine",
+    "mlxcel_plugin.forkserver_heap",  # last: freezes what the others left out of gc's scans
 )
 # Read once, when the preloaded libraries are imported: a node that sets one of these
 # differently from the forkserver cannot be forked from it.

@@ -17,8 +17,12 @@ class _Node:
 
 @pytest.fixture
 def thawed():
+    frozen_by_the_suite = gc.get_freeze_count()  # tests/conftest.py, after collection
     yield
-    gc.unfreeze()  # the rest of the suite runs with an ordinary collector
+    gc.unfreeze()  # the rest of the suite runs with the collector as it found it
+    if frozen_by_the_suite:
+        gc.collect()
+        gc.freeze()
 
 
 def test_live_objects_are_frozen_and_cyclic_garbage_is_freed_first(thawed):
