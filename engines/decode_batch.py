@@ -13,7 +13,7 @@ projection (for small models, reading ``lm_head`` is much of a step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,7 +292,7 @@ class DecodeBatch:
     @staticmethod
     def _pick_group(lengths: list[list[int]], n: int, steps_left: int | None,
                     forward_tokens: int = FORWARD_COST_TOKENS,
-                    closed: set[int] = frozenset()) -> int:
+                    closed: Collection[int] = ()) -> int:
         """The group a sequence of ``n`` tokens joins; ``len(lengths)``: a new one."""
         open_groups = [i for i in range(len(lengths)) if i not in closed]
         candidates = [

@@ -34,10 +34,17 @@ pick_python() {
   echo "error: Python 3.11+ is required" >&2; exit 1
 }
 
+quietly() {
+  # quietly LOG COMMAND...: the command's output goes to .cache/LOG; its status is returned.
+  local log=".cache/$1"
+  shift
+  mkdir -p .cache
+  "$@" >"$log" 2>&1
+}
+
 pip_install() {
   # Quiet on success; the whole log on failure.
-  mkdir -p .cache
-  if ! .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >.cache/pip.log 2>&1; then
+  if ! quietly pip.log .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; then
     cat .cache/pip.log >&2
     echo "error: pip install $* failed" >&2
     exit 1
@@ -50,9 +57,8 @@ package_install() {
   # whose index is set there only). Bytecode is compiled at install, as pip does: the
   # suite's processes import these packages a few hundred times, and may not write .pyc files.
   if [ -x .venv/bin/uv ]; then
-    mkdir -p .cache
-    if .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "$@" \
-        >.cache/uv.log 2>&1; then
+    if quietly uv.log .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python \
+        "$@"; then
       return 0
     fi
     echo "note: uv pip install $* failed (.cache/uv.log); trying pip" >&2

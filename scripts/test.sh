@@ -4,11 +4,12 @@
 #   scripts/test.sh --quick   the pure core, the router's parts, the contracts and the repository
 #                             checks, in process: no node processes, no models served
 #                             (pytest -m quick; tests/conftest.py says which paths)
-# Tests run on three pytest-xdist workers: most real-process tests wait on their nodes (with two
-# workers a 2-core machine's cores were ~64% busy; three: 591 -> 533 s). `--dist loadfile` keeps
-# a module on one worker, so its cluster fixtures start once, and free_port gives each worker its own ports; `--no-loadscope-reorder`
-# keeps tests/conftest.py's order (modules that start processes first: xdist's own order, most
-# tests first, left the few long modules to run alone at the end). Pass `-n 0` for one process.
+# Tests run on three pytest-xdist workers: many real-process tests wait on their nodes, and a
+# third worker fills those waits (on a 2-core machine, same tree: two 591 s, three 533-549 s,
+# four 541 s). `--dist loadfile` keeps a module on one worker, so its cluster fixtures start
+# once, and free_port gives each worker its own ports; `--no-loadscope-reorder` keeps
+# tests/conftest.py's order (modules that start processes first: xdist's own order, most tests
+# first, left the few long modules to run alone at the end). Pass `-n 0` for one process.
 # Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

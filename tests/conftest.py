@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from tests import openblas_child
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,8 +64,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection left (every test module, its libraries, ~5,000 items) out of the
     collector's scans, as a node freezes its start-up heap (mlxcel_plugin/gc_pauses.py): full
     collections that walked it all took ~4% of the suite's CPU."""
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
 
 
 @pytest.hookimpl(tryfirst=True)

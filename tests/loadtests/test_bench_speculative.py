@@ -18,8 +18,9 @@ def test_quick_run_prints_and_writes_every_table(tmp_path):
     out = tmp_path / "speculative.json"
     done = subprocess.run([sys.executable, "-m", "loadtests.bench_speculative", "--quick",
                            "--streams", "1", "--code-prompts", "2", "--tool-prompts", "2",
-                           "--chat-prompts", "2", "--max-tokens", "24", "--json", str(out)], cwd=REPO, check=True,
-                          timeout=RUN_TIMEOUT_S, capture_output=True, text=True)
+                           "--chat-prompts", "2", "--max-tokens", "24", "--json", str(out)],
+                          cwd=REPO, check=True, timeout=RUN_TIMEOUT_S, capture_output=True,
+                          text=True)
     assert "greedy flips vs plain" in done.stdout
     tables = {t["title"]: t for t in json.loads(out.read_text())["tables"]}
     speeds = tables["decode tokens/s per stream (median)"]["rows"]

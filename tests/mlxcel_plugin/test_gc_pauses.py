@@ -21,8 +21,7 @@ def thawed():
     yield
     gc.unfreeze()  # the rest of the suite runs with the collector as it found it
     if frozen_by_the_suite:
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
 
 
 def test_live_objects_are_frozen_and_cyclic_garbage_is_freed_first(thawed):
