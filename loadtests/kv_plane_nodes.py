@@ -256,13 +256,17 @@ async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, hand
         quiet, ingest = [], []
         for k in range(handoffs_n):
             await quiet_window(quiet, ingest, quiet_s)
+            before = handoff_totals(nodes.urls[config])
             outcome = await driver.generate(f"ingest-{k}-{rng.random():.6f}",
                                             prompt(tokens, rng), 2, timeout_s=TIMEOUT_S)
             if not outcome.ok or len(outcome.token_times_s) < 2:
                 raise RuntimeError(f"ingest {k}: {outcome.finish_reason} {outcome.error}")
-            # From the end of prefill to just before the decode step that takes it in.
-            first, second = outcome.token_times_s[:2]
-            ingest.append((first, second - 0.002))
+            # From the end of prefill to the decode node's ack: the bytes arriving and
+            # landing. Not the step that takes the sequence in after it (its attention over
+            # the whole prompt, which a stream pays beside any long prompt, handed over or
+            # not; adoption into MLX is in it too: see "ack to 1st token s" less "step CPU s").
+            acked = outcome.token_times_s[0] + handoff_totals(nodes.urls[config])[0] - before[0]
+            ingest.append((outcome.token_times_s[0], acked))
         await quiet_window(quiet, ingest, quiet_s)
         pool.stop()
         await asyncio.wait(tasks, timeout=TIMEOUT_S)
