@@ -84,9 +84,9 @@ from mlxcel_plugin.kv_codecs.quant_blocks import (
     blocks,
     column_extent,
     cut_at,
-    place_rows,
 )
-from mlxcel_plugin.kv_codecs.quant_decode import dequantize, needs_clip, restore
+from mlxcel_plugin.kv_codecs import quant_kernel
+from mlxcel_plugin.kv_codecs.quant_decode import decode_block_into, needs_clip
 from mlxcel_plugin.kv_codecs.quant_encode import (
     SCALE,
     SCALE_BF16,
@@ -292,21 +292,18 @@ class GroupQuantCodec:
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
         out = PieceRows(pieces)
-        starts = cut_at(block_starts(fmt, rows, head_dim), fmt, rows, head_dim, out.firsts)
+        # The compiled decoder keeps each row in L1 whatever the block: one per piece.
+        blocked = [0] if quant_kernel.available() else block_starts(fmt, rows, head_dim)
+        starts = cut_at(blocked, fmt, rows, head_dim, out.firsts)
         if starts is None:
             return False
         used = BlockCursor()
-        decoded_bits = np.dtype(f"<u{pieces[0].dtype.itemsize}")
         for block in blocks(fmt, rows, head_dim, starts):
             exact_part, group_part, code_part = used.advance(block, head_dim)
             block_minimums = minimums[group_part] if minimums is not None else None
-            values = dequantize(codes[code_part], block.groups, scales[group_part],
-                                block_minimums, head_dim)
-            decoded = restore(values, fmt.rotation, clip, dtype)
-            target, exact_rows = out.rows(block.start, block.stop), exact_values[exact_part]
-            if decoded.dtype.kind == "u":  # the storage's bits: copy them as bits
-                target, exact_rows = target.view(decoded_bits), exact_rows.view(decoded_bits)
-            place_rows(target, block.exact, exact_rows, decoded)
+            decode_block_into(out.rows(block.start, block.stop), block, codes[code_part],
+                              (scales[group_part], block_minimums), exact_values[exact_part],
+                              fmt.rotation, clip, dtype)
         return True
 
     def _sections(

@@ -142,12 +142,27 @@ def place_rows(
         return
     sources = (decoded, exact_values.reshape(-1, out.shape[1]))
     used = [0, 0]
-    edges = [0, *(np.flatnonzero(exact[1:] != exact[:-1]) + 1).tolist(), exact.size]
-    for begin, end in zip(edges[:-1], edges[1:], strict=True):
+    for begin, end in _runs(exact):
         kind = int(exact[begin])
         source = sources[kind][used[kind] : used[kind] + end - begin]
         np.copyto(out[begin:end], source, casting="unsafe")
         used[kind] += end - begin
+
+
+def place_exact_rows(out: np.ndarray, exact: np.ndarray, exact_values: np.ndarray) -> None:
+    """Only the exact rows of one block into ``out`` (the compiled decoder wrote the rest)."""
+    exact_values = exact_values.reshape(-1, out.shape[1])
+    used = 0
+    for begin, end in _runs(exact):
+        if exact[begin]:
+            out[begin:end] = exact_values[used : used + end - begin]
+            used += end - begin
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[begin, end)`` of each run of equal values of ``mask``."""
+    edges = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), mask.size]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _group_boundaries(fmt: ChunkFormat, rows: int) -> np.ndarray:

@@ -1,6 +1,8 @@
-"""Decoding one block of group-quantized rows: few passes over cache-sized tiles.
+"""Decoding one block of group-quantized rows: in one compiled pass, or few NumPy passes.
 
-A block (``quant_blocks``, ~512 KiB of float32) goes: codes widened to float32 in one
+``decode_block_into`` runs the compiled decoder (``quant_kernel``) where it is built, and
+otherwise these NumPy passes over cache-sized tiles. A block (``quant_blocks``, ~2 MiB of
+float32) goes: codes widened to float32 in one
 buffer, scales (and key minimums) applied in place, the rotation back into a second
 buffer, a clip only where the body's scales could reach past the dtype's largest value,
 then the rounding into the storage dtype, cast in the same pass that copies the rows into
@@ -13,8 +15,10 @@ import math
 
 import numpy as np
 
+from mlxcel_plugin.kv_codecs import quant_kernel
 from mlxcel_plugin.kv_codecs.floats import finite_max, rounded_for_storage
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
+from mlxcel_plugin.kv_codecs.quant_blocks import Block, place_exact_rows, place_rows
 from mlxcel_plugin.kv_codecs.rotation import rotate
 from mlxcel_plugin.kv_codecs.scratch import scratch
 
@@ -64,3 +68,30 @@ def restore(values: np.ndarray, rotation: int, clip: bool, dtype: str) -> np.nda
         limit = finite_max(dtype)
         np.clip(values, -limit, limit, out=values)
     return rounded_for_storage(values, dtype)
+
+
+def decode_block_into(
+    target: np.ndarray,
+    block: Block,
+    codes: np.ndarray,
+    steps: tuple[np.ndarray, np.ndarray | None],
+    exact_values: np.ndarray,
+    rotation: int,
+    clip: bool,
+    dtype: str,
+) -> None:
+    """One block's rows into ``target`` (its rows of the receiver's buffer, storage dtype):
+    exact rows as they came, the others decoded (``steps``: the block's float32 scales and
+    minimums or None)."""
+    scales, minimums = steps
+    if target.dtype.itemsize == 2:  # the storage's bits: written and copied as bits
+        target, exact_values = target.view("<u2"), exact_values.view("<u2")
+    quantized = None if block.exact is None else np.flatnonzero(~block.exact)
+    limit = finite_max(dtype) if clip else float("inf")
+    if quant_kernel.decode_block(codes, codes.dtype.kind == "i", block.groups, scales,
+                                 minimums, rotation, limit, target, quantized, dtype):
+        if block.exact is not None:
+            place_exact_rows(target, block.exact, exact_values)
+        return
+    values = dequantize(codes, block.groups, scales, minimums, target.shape[1])
+    place_rows(target, block.exact, exact_values, restore(values, rotation, clip, dtype))
