@@ -35,8 +35,10 @@ receive pool's warm pages as on a node in service (docs/bulk-lanes.md#receive-po
 ITL: ``--itl-streams`` streams decode on the decode node (short prompts, restarted as
 they end) while ``--itl-handoffs`` handoffs of ``--itl-tokens`` arrive (full, none), against quiet
 windows of the same streams in between; gaps ending inside each window count
-(ingest: end of prefill to the decode node's ack, as the transfer; the step that then
-takes the sequence in is the model's attention over its whole prompt, not ingestion).
+(ingest: end of prefill to the decode node's ack, as the transfer; the steps with the
+long sequence in the batch, from the one that takes it in, fall in neither window: they
+are the model's attention over the whole prompt, which a stream pays beside any long
+prompt, handed over or not, not ingestion).
 
 With ``--pin`` (default on >= 2 cores) the sending side (prefill nodes, baseline
 senders) runs on one core and the receiving side (decode node, sinks, this driver)

@@ -252,7 +252,9 @@ async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, hand
     async with nodes.driver(config) as driver:
         pool = StreamPool(driver, streams, max_tokens=96)
         tasks = [asyncio.create_task(pool.run(slot)) for slot in range(streams)]
-        await asyncio.sleep(2.0)  # every stream joined the batch
+        # Every stream joined the batch, and the node's work from the runs before (its
+        # last handoffs' steps) is over: gaps of 0.3-0.9 s ended up to ~3 s in.
+        await asyncio.sleep(5.0)
         quiet, ingest = [], []
         for k in range(handoffs_n):
             await quiet_window(quiet, ingest, quiet_s)
@@ -267,6 +269,9 @@ async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, hand
             # not; adoption into MLX is in it too: see "ack to 1st token s" less "step CPU s").
             acked = outcome.token_times_s[0] + handoff_totals(nodes.urls[config])[0] - before[0]
             ingest.append((outcome.token_times_s[0], acked))
+            # Its steps (ack to first token: ~one) end before the next quiet window starts:
+            # neither window holds a step with the long sequence in the batch.
+            await asyncio.sleep(2 * max(0.0, outcome.token_times_s[1] - acked))
         await quiet_window(quiet, ingest, quiet_s)
         pool.stop()
         await asyncio.wait(tasks, timeout=TIMEOUT_S)
