@@ -135,7 +135,8 @@ def test_a_peer_that_fails_right_after_each_handshake_is_redialed_with_backoff(c
         await server.close()
         # 0.02 + 0.04 + 0.08 + 0.16 s, then every 0.2 s: about 12 dials in 2 s.
         assert 5 <= len(accepted) <= 25
-        assert peers["decode-0"].redial.dials == len(accepted)
+        # Every dial was accepted, but one the close cut short in its handshake.
+        assert len(accepted) <= peers["decode-0"].redial.dials <= len(accepted) + 1
         router_lines = [r for r in caplog.records if r.name.startswith(("router_plugin",
                                                                          "mlxcel_plugin"))
                         and r.levelno >= logging.WARNING]
