@@ -14,6 +14,7 @@
  * place of the stored dtype apart). Loaded with ctypes (quant_kernel.py), which releases
  * the GIL for the call. The caller checks every index against its arrays first.
  */
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -87,7 +88,8 @@ INLINE void store_row(const float *w, int width, void *out, int64_t row, int mod
  * dest[r] (or r) of `out`. Row r's scales start at scales[first_group[r]]: one per `group`
  * values (group > 1), or one per value (group == 1: per-channel token groups); minimums
  * (or NULL) alike. `rotation`: the Hadamard block (0: none), `norm` its 1/sqrt(block);
- * values clip to +-limit. Returns 0, or -1 for a width it does not take. */
+ * values clip to +-limit (none when it is infinite). Returns 0, or -1 for a width it does
+ * not take. */
 WIDEST_VECTORS int decode_rows(const uint8_t *restrict codes, int64_t rows, int width, int flip,
                 const float *restrict scales, const float *restrict minimums,
                 const int64_t *restrict first_group, int group, int rotation, float norm,
@@ -95,6 +97,7 @@ WIDEST_VECTORS int decode_rows(const uint8_t *restrict codes, int64_t rows, int 
     if (width < 1 || width > MAX_HEAD_DIM || group < 1 || width % group) return -1;
     if (rotation && (rotation > width || width % rotation || rotation & (rotation - 1))) return -1;
     float w[MAX_HEAD_DIM];
+    int clip = limit <= FLT_MAX; /* an infinite limit: nothing to clip */
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *c = codes + r * width;
         const float *s = scales + first_group[r];
@@ -120,7 +123,8 @@ WIDEST_VECTORS int decode_rows(const uint8_t *restrict codes, int64_t rows, int 
             hadamard_runs(w, width, rotation);
             for (int k = 0; k < width; k++) w[k] *= norm;
         }
-        for (int k = 0; k < width; k++) w[k] = w[k] > limit ? limit : (w[k] < -limit ? -limit : w[k]);
+        if (clip)
+            for (int k = 0; k < width; k++) w[k] = w[k] > limit ? limit : (w[k] < -limit ? -limit : w[k]);
         store_row(w, width, out, dest ? dest[r] : r, mode);
     }
     return 0;

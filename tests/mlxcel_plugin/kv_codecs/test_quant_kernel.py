@@ -130,3 +130,16 @@ def test_a_block_whose_indices_leave_its_arrays_is_not_decoded():
     assert quant_kernel.decode_block(codes, True, groups, scales, None, 64, 1e30, out, None,
                                      "bfloat16")
     assert out.any()
+
+
+@needs_kernel
+def test_float32_rows_past_the_largest_value_clip_only_when_asked():
+    width, rows = 16, 4
+    codes = np.full((rows, width), 127, dtype=np.int8)
+    scales = np.full(rows, np.float32(3e38))  # 127 x 3e38 overflows float32
+    groups = DimGroups(width, rows, width)
+    for limit, finite in ((float(np.finfo(np.float32).max), True), (float("inf"), False)):
+        out = np.zeros((rows, width), dtype=np.float32)
+        assert quant_kernel.decode_block(codes, True, groups, scales, None, 0, limit, out, None,
+                                         "float32")
+        assert np.isfinite(out).all() == finite
