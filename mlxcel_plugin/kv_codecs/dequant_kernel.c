@@ -6,7 +6,7 @@
  * per rotation block, round, a strided copy into the cache): ~1.3 CPU-s per GiB of bf16
  * KV on one x86 core, most of an int8 receiver's CPU (issue 40). MLX's CPU ops took
  * 3.8 s/GiB for the same graph, and Numba did not vectorise the butterflies. This loop
- * runs at ~0.45-0.6 s/GiB here (setup.py builds it).
+ * runs at ~0.4-0.5 s/GiB here (setup.py builds it).
  *
  * The arithmetic is the NumPy decoder's (quant_decode.py) without fused multiply-adds
  * (built with -ffp-contract=off): unrotated rows decode to the same bits; rotated rows sum
