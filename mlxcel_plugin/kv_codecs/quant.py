@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxcel_plugin.kv_codecs import quant_kernel
 from mlxcel_plugin.kv_codecs.base import (
     Buffer,
     ChunkLayout,
@@ -85,7 +86,6 @@ from mlxcel_plugin.kv_codecs.quant_blocks import (
     column_extent,
     cut_at,
 )
-from mlxcel_plugin.kv_codecs import quant_kernel
 from mlxcel_plugin.kv_codecs.quant_decode import decode_block_into, needs_clip
 from mlxcel_plugin.kv_codecs.quant_encode import (
     SCALE,

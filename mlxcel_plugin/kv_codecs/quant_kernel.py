@@ -60,11 +60,10 @@ def decode_block(codes: np.ndarray, signed: bool, groups: DimGroups | TokenGroup
     group, first_group = _group_starts(groups, rows, width)
     wanted = out.dtype == (np.float32 if dtype == "float32" else np.uint16)
     if not (wanted and out.flags.c_contiguous and codes.size == rows * width
-            and codes.itemsize == 1 and first_group.size == rows and _fits(scales, first_group, width // group)
-            and (minimums is None or _fits(minimums, first_group, width // group))):
-        return False
-    if dest is None and rows != len(out) or dest is not None and (
-            dest.size != rows or rows and not 0 <= dest.min() <= dest.max() < len(out)):
+            and codes.itemsize == 1 and first_group.size == rows
+            and all(_fits(steps, first_group, width // group)
+                    for steps in (scales, minimums) if steps is not None)
+            and _lands_within(dest, rows, len(out))):
         return False
     codes = np.ascontiguousarray(codes).view(np.uint8)
     scales, minimums = _aligned(scales), _aligned(minimums)
@@ -93,6 +92,13 @@ def _fits(per_group: np.ndarray, first_group: np.ndarray, per_row: int) -> bool:
         return False
     return not first_group.size or (
         first_group.min() >= 0 and first_group.max() + per_row <= per_group.size)
+
+
+def _lands_within(dest: np.ndarray | None, rows: int, out_rows: int) -> bool:
+    """Every decoded row lands in ``out`` (``dest`` None: row for row)."""
+    if dest is None:
+        return rows == out_rows
+    return dest.size == rows and (not rows or 0 <= dest.min() <= dest.max() < out_rows)
 
 
 def _aligned(array: np.ndarray | None) -> np.ndarray | None:

@@ -11,8 +11,13 @@ import shutil
 import numpy as np
 import pytest
 
-from mlxcel_plugin.kv_codecs import ChunkLayout, GroupQuantCodec, from_float32, to_float32
-from mlxcel_plugin.kv_codecs import quant_kernel
+from mlxcel_plugin.kv_codecs import (
+    ChunkLayout,
+    GroupQuantCodec,
+    from_float32,
+    quant_kernel,
+    to_float32,
+)
 from mlxcel_plugin.kv_codecs.floats import F16_MAX
 from mlxcel_plugin.kv_codecs.groups import DimGroups
 
