@@ -3,15 +3,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+APT_UPDATED=""
+apt_install() {
+  # apt_install CONSEQUENCE PACKAGE...: install with apt-get (sudo unless root), the package
+  # lists updated once per run; on failure a note says what runs without them.
+  local consequence="$1" sudo=""
+  shift
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  { [ -n "$APT_UPDATED" ] || { $sudo apt-get update -qq >/dev/null && APT_UPDATED=1; }; } \
+    && $sudo apt-get install -y -qq "$@" >/dev/null \
+    || echo "note: could not install $*; $consequence" >&2
+}
+
 install_openblas() {
   # MLX's Linux CPU wheel links a slow reference BLAS; Debian's OpenBLAS is ~25x faster.
   [ "$(uname -s)" = Linux ] || return 0
   ls /usr/lib/*-linux-gnu/libopenblas.so.0 >/dev/null 2>&1 && return 0
   command -v apt-get >/dev/null || { echo "note: no apt-get; running without OpenBLAS" >&2; return 0; }
-  local sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null \
-    || echo "note: could not install libopenblas0-pthread; running without OpenBLAS" >&2
+  apt_install "running without OpenBLAS" libopenblas0-pthread
 }
 
 install_iproute2() {
@@ -19,8 +28,7 @@ install_iproute2() {
   [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] || return 0
   command -v ip >/dev/null && command -v tc >/dev/null && return 0
   command -v apt-get >/dev/null || return 0
-  apt-get update -qq >/dev/null && apt-get install -y -qq iproute2 >/dev/null \
-    || echo "note: could not install iproute2; the netns tests will skip" >&2
+  apt_install "the netns tests will skip" iproute2
 }
 
 install_c_compiler() {
@@ -29,10 +37,7 @@ install_c_compiler() {
   { command -v cc || command -v gcc || command -v clang; } >/dev/null && return 0
   [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null \
     || { echo "note: no C compiler; int8 KV decodes in NumPy" >&2; return 0; }
-  local sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq gcc libc6-dev >/dev/null \
-    || echo "note: could not install gcc; int8 KV decodes in NumPy" >&2
+  apt_install "int8 KV decodes in NumPy" gcc libc6-dev
 }
 
 pick_python() {
