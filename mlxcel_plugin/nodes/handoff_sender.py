@@ -132,6 +132,9 @@ class OutgoingHandoff:
         self.sent_by_finish_bytes = self.sent_bytes
         self.queued_at_finish_bytes = sum(link.queued_bytes for link in self._links)
         self.first_token = first_token  # goes out with the end
+        ended = getattr(self.strategy, "prefill_ended", None)
+        if ended is not None:  # now, not behind the layers the encoder still works on
+            ended()
         self._plan(self._final_messages)
 
     def _layer_messages(self, index: int, layer: CacheLayer) -> list[KVMessage]:

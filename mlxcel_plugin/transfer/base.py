@@ -18,6 +18,11 @@ as its forward is done, before the layer's own ``add_layer``
         send(strategy.add_layer(i, layer))
     send(strategy.finish())
 
+A strategy may also offer ``prefill_ended()``: called on the node's event loop
+the moment the prefill is over, while its layers may still be encoding on the
+``kv-encode`` thread (``FullTransfer`` then sends each as soon as it is encoded).
+It may only set state that the encoder-thread calls read.
+
 What the AdaptiveSelector may pick a strategy for, it reads from two class
 attributes of the registered factory (``WriterStrategy`` sets both False):
 ``overlaps_prefill`` (sends each layer while the next computes, so it needs a

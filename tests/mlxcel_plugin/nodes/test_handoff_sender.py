@@ -22,7 +22,12 @@ from mlxcel_plugin.testing.caches import (
     make_fingerprint,
     make_header,
 )
-from mlxcel_plugin.transfer import LayerParallelTransfer, StrategyOptions, StreamedTransfer
+from mlxcel_plugin.transfer import (
+    FullTransfer,
+    LayerParallelTransfer,
+    StrategyOptions,
+    StreamedTransfer,
+)
 
 
 class FakeLane:
@@ -239,6 +244,54 @@ def test_an_encoding_failure_on_the_encoder_fails_that_handoff_with_a_named_erro
                                      else "handoff_failed")
         assert strategy.encoded == [0, 1]  # nothing after the failure was encoded
         assert FrameType.KV_END not in [f.type for f in lane.frames]
+
+    asyncio.run(scenario())
+
+
+class GatedFull(FullTransfer):
+    """A FullTransfer whose layer ``i`` waits for ``gates[i]`` where there is one (a slow
+    codec, held back layer by layer)."""
+
+    def __init__(self, options, gates):
+        super().__init__(options)
+        self.gates = gates
+
+    def add_layer(self, index, layer):
+        if index in self.gates:
+            assert self.gates[index].wait(5)
+        return super().add_layer(index, layer)
+
+
+def test_full_sends_each_layer_as_it_is_encoded_once_the_prefill_has_ended():
+    """The prefill ends while the encoder waits before layer 3 of 6: begin and layers 0-3 go out
+    once layer 3 is encoded, while layer 4 still waits; the cache arrives whole and in order."""
+    async def scenario():
+        gates, lane = {3: threading.Event(), 4: threading.Event()}, FakeLane()
+        fingerprint = make_fingerprint(num_layers=6)
+        cache = make_cache(fingerprint, 40, seed=3)
+        header = make_header(fingerprint, 40)
+        strategy = GatedFull(StrategyOptions(), gates)
+        with ThreadPoolExecutor(1) as encoder:
+            handoff = OutgoingHandoff(header, strategy, "decode-1", encoder=encoder)
+            handoff.push(strategy.start(header))
+
+            async def ready():
+                return [lane]
+
+            handoff.run(asyncio.ensure_future(ready()))
+            for index, layer in enumerate(cache.layers):
+                handoff.add_layer(index, layer)
+            handoff.finish(first_token=7)
+            gates[3].set()
+            await until(lambda: lane.chunk_layers()[-1:] == [3])
+            assert lane.frames[0].type is FrameType.KV_BEGIN
+            assert lane.chunk_layers() == [0, 0, 1, 1, 2, 2, 3, 3]
+            gates[4].set()
+            await until(lambda: lane.frames and lane.frames[-1].type is FrameType.KV_END)
+        assert lane.chunk_layers() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+        messages = [m for frame in lane.frames for m in frame_to_messages(frame)]
+        assert_caches_equal(assemble_messages(messages, fingerprint, builtin_codecs()).cache,
+                            cache)
 
     asyncio.run(scenario())
 
