@@ -38,7 +38,7 @@ IDLE_RELEASE_S = 5.0
 # MLX's cache limit is one per process and MLX cannot be asked for it: the receive pool
 # bound this process last applied, for /metrics (``receive_pool_bytes``).
 _applied_pool_bytes = [0]
-_applied_cache_bytes = [0]  # MLX's cache limit this process applied (make_room_for)
+_applied_cache_bytes = [0]  # MLX's cache limit this process applied (applied_cache_limit)
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -83,33 +83,9 @@ def receive_pool_bytes() -> int:
     return _applied_pool_bytes[0]
 
 
-class PoolRoom:
-    """Keeps room in MLX's cache for receive buffers that came fresh, so they stay warm
-    when they are freed (one per ``ReceiveBuffers``).
-
-    Why: MLX caches a freed buffer only while the cache has room for it (and reuses one only
-    for an allocation within two pages of its size). A pool filled by one prompt size kept
-    every buffer of another out: after 2k-token handoffs, each 8k one landed in fresh pages
-    (bench_kv_plane, 8k after 2k: receiver 1.36 CPU-s/GiB, against 0.39 warm). While
-    allocations miss the cache, its oldest buffers are freed (the limit lowered for a
-    moment) until the fresh bytes since the last hit would fit; a hit resets the count.
-    """
-
-    def __init__(self) -> None:
-        self.fresh = 0  # bytes allocated fresh since the cache last served a receive buffer
-
-    def took(self, nbytes: int, warm_before: int) -> None:
-        """``nbytes`` of receive buffers were just allocated; the cache held ``warm_before``."""
-        limit = _applied_cache_bytes[0]
-        warm = warm_bytes()
-        fresh = nbytes - max(warm_before - warm, 0)
-        if fresh <= 0:
-            self.fresh = 0
-            return
-        self.fresh = min(self.fresh + fresh, limit)
-        if limit and warm > limit - self.fresh:
-            mx.set_cache_limit(limit - self.fresh)  # MLX frees its oldest cached buffers
-            mx.set_cache_limit(limit)
+def applied_cache_limit() -> int:
+    """MLX's cache limit this process applied (0 before an engine applied one)."""
+    return _applied_cache_bytes[0]
 
 
 def release_memory() -> None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engines import cache_layout, engine_memory, kv_room
+from engines import cache_admission, cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import (
     OWN_ALLOCATION_BYTES,
@@ -146,16 +146,11 @@ class ReceiveBuffers:
 
     def __init__(self) -> None:
         self._carver: SlabCarver | None = None
-        self._room = engine_memory.PoolRoom()
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         if self._carver is None:
             self._carver = SlabCarver(mx.new_stream(mx.cpu))
-        warm = engine_memory.warm_bytes()
-        buffers = kv_buffers(shape, dtype, count, self._carver)
-        if buffers and buffers[0].nbytes >= OWN_ALLOCATION_BYTES:  # not carved from a slab
-            self._room.took(sum(b.nbytes for b in buffers), warm)  # warm again once freed
-        return buffers
+        return kv_buffers(shape, dtype, count, self._carver)
 
     def prefault(self, decoding: bool) -> int:
         """Fault in the slab memory the next small handoffs land in (engine thread, once an
@@ -211,8 +206,13 @@ def from_cache_layer(layer: CacheLayer) -> Any:
     into buffers with room holds those buffers: its next tokens are written in place)."""
     if layer.dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
-    arrays = _with_room(layer) or {name: _to_mlx(a) for name, a in layer.arrays().items()}
-    return cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
+    received = _with_room(layer)
+    arrays = received or {name: _to_mlx(a) for name, a in layer.arrays().items()}
+    cache = cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
+    if received and received["k"].nbytes >= OWN_ALLOCATION_BYTES:  # freed one by one
+        nbytes = sum(a.nbytes for a in received.values())
+        cache_admission.keep_warm_when_freed(cache, nbytes, engine_memory.applied_cache_limit)
+    return cache
 
 
 def _with_room(layer: CacheLayer) -> dict[str, mx.array] | None:

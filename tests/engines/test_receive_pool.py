@@ -136,8 +136,8 @@ def test_the_engine_bounds_mlxs_cache_by_the_receive_pool(tmp_path):
 
 def test_a_new_size_is_kept_warm_when_the_pool_is_full_of_another(cache_limit, monkeypatch):
     """MLX caches a freed buffer only while its cache has room: a pool filled by one prompt
-    size used to keep every buffer of another out. Taking receive buffers makes room (the
-    oldest cached buffers go), so the next handoff of the new size reuses their memory."""
+    size used to keep every buffer of another out. A received cache makes room as it is
+    freed (the oldest cached buffers go), so the next handoff reuses its memory."""
     from engines import engine_memory
 
     limit = 160 * MIB
@@ -155,3 +155,32 @@ def test_a_new_size_is_kept_warm_when_the_pool_is_full_of_another(cache_limit, m
     sent, caches = receive(4200, seed=2)
     assert addresses(caches) == first
     assert_holds(caches, sent, 4200)
+
+
+def test_a_warm_handoff_stays_warm_after_other_buffers_fill_the_pool(cache_limit, monkeypatch):
+    """Warm, then warm again: a handoff that took the last one's buffers frees them into a
+    pool that running streams filled meanwhile; its cache makes room as it is freed, so the
+    next handoff takes every buffer from the pool (warm bytes fall by all of its own)."""
+    from engines import engine_memory
+
+    limit = 160 * MIB
+    mx.set_cache_limit(limit)
+    monkeypatch.setattr(engine_memory, "_applied_cache_bytes", [limit])
+    sent, caches = receive(4400, seed=1)
+    handoff_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    del caches
+    gc.collect()
+    sent, caches = receive(4200, seed=2)  # takes the buffers just freed
+    assert_holds(caches, sent, 4200)
+    second = addresses(caches)
+    stale = [mx.zeros((5 * MIB,), dtype=mx.uint8) for _ in range(limit // (5 * MIB))]
+    mx.eval(stale)
+    del stale  # the streams' freed buffers: the pool is full again
+    assert warm_bytes() > limit - 10 * MIB
+    del caches
+    gc.collect()
+    before = warm_bytes()
+    sent, caches = receive(4300, seed=3)
+    assert before - warm_bytes() == handoff_bytes  # every buffer came from the pool
+    assert addresses(caches) == second
+    assert_holds(caches, sent, 4300)
