@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 # MLX's ``size_t mlx::core::set_cache_limit(size_t)`` (Itanium C++ ABI: Linux and macOS).
 _SET_CACHE_LIMIT = "_ZN3mlx4core15set_cache_limitEm"
 _LIBRARIES = ("libmlx.so", "libmlx.dylib")
+# A layer's K and V from this size on (an 8B model's 8k-token layer: 36 MiB). Room is made
+# once per layer cache, and each making waits for every CPU stream: for 2k-token layers
+# (9 MiB) on a 10 Gbit/s link that halved the handoff's throughput (bench_kv_plane, two
+# runs), where warm pages save least.
+MIN_LAYER_BYTES = 32 * 1024 * 1024
 
 
 @functools.cache

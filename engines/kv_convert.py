@@ -16,7 +16,6 @@ from mlx_lm.models.cache import KVCache
 from engines import cache_admission, cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import (
-    OWN_ALLOCATION_BYTES,
     PREFAULT_AHEAD_BYTES,
     PREFAULT_STEP_BYTES,
     SlabCarver,
@@ -209,8 +208,8 @@ def from_cache_layer(layer: CacheLayer) -> Any:
     received = _with_room(layer)
     arrays = received or {name: _to_mlx(a) for name, a in layer.arrays().items()}
     cache = cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
-    if received and received["k"].nbytes >= OWN_ALLOCATION_BYTES:  # freed one by one
-        nbytes = sum(a.nbytes for a in received.values())
+    nbytes = sum(a.nbytes for a in received.values()) if received else 0
+    if nbytes >= cache_admission.MIN_LAYER_BYTES:
         cache_admission.keep_warm_when_freed(cache, nbytes, engine_memory.applied_cache_limit)
     return cache
 

@@ -138,7 +138,9 @@ def test_a_new_size_is_kept_warm_when_the_pool_is_full_of_another(cache_limit, m
     """MLX caches a freed buffer only while its cache has room: a pool filled by one prompt
     size used to keep every buffer of another out. A received cache makes room as it is
     freed (the oldest cached buffers go), so the next handoff reuses its memory."""
-    from engines import engine_memory
+    from engines import cache_admission, engine_memory
+
+    monkeypatch.setattr(cache_admission, "MIN_LAYER_BYTES", 0)  # these layers: 18 MiB
 
     limit = 160 * MIB
     mx.set_cache_limit(limit)
@@ -161,7 +163,9 @@ def test_a_warm_handoff_stays_warm_after_other_buffers_fill_the_pool(cache_limit
     """Warm, then warm again: a handoff that took the last one's buffers frees them into a
     pool that running streams filled meanwhile; its cache makes room as it is freed, so the
     next handoff takes every buffer from the pool (warm bytes fall by all of its own)."""
-    from engines import engine_memory
+    from engines import cache_admission, engine_memory
+
+    monkeypatch.setattr(cache_admission, "MIN_LAYER_BYTES", 0)  # these layers: 18 MiB
 
     limit = 160 * MIB
     mx.set_cache_limit(limit)
@@ -184,3 +188,17 @@ def test_a_warm_handoff_stays_warm_after_other_buffers_fill_the_pool(cache_limit
     assert before - warm_bytes() == handoff_bytes  # every buffer came from the pool
     assert addresses(caches) == second
     assert_holds(caches, sent, 4300)
+
+
+def test_room_is_made_only_for_layers_of_the_bound_and_up(cache_limit, monkeypatch):
+    """Each making waits for every CPU stream: small layers (here 18 MiB) are left to MLX."""
+    from engines import cache_admission
+
+    registered = []
+    monkeypatch.setattr(cache_admission, "keep_warm_when_freed",
+                        lambda cache, nbytes, limit: registered.append(nbytes))
+    receive(4400, seed=1)
+    assert registered == []
+    monkeypatch.setattr(cache_admission, "MIN_LAYER_BYTES", 18 * MIB)
+    receive(4400, seed=2)
+    assert registered == [18 * MIB, 18 * MIB]  # one per layer: its K and V with room
