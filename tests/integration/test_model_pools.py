@@ -132,11 +132,27 @@ def cluster(tiny_model_path: Path, tmp_path_factory, request):
             reference[SMOL_ADAPTER] = fused_text(Path(models[SMOL]), adapter)
         for node in started:
             node.wait_healthy(STARTUP_TIMEOUT_S)
+        wait_routed(router, sum(len(pair) for pair in nodes.values()))
         reference[LORA] = str(write_adapter(Path(models[LORA_POOL]), root / LORA))
         yield router, hybrids, list(models), reference
     finally:
         for node in reversed(started):
             node.stop()
+
+
+def wait_routed(router: NodeProcess, count: int, timeout_s: float = 60.0) -> None:
+    """Until the router holds ``count`` nodes healthy: it dials a node that is still loading
+    with a growing backoff, so a node healthy on its own may wait seconds for the router
+    (SmolLM2's, loaded last, met a 503 "no healthy node" before)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # bounded by the deadline
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        healthy = [line for line in metrics.splitlines()
+                   if line.startswith("mlxcel:router_node_healthy{") and line.endswith(" 1.0")]
+        if len(healthy) >= count:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the router holds fewer than {count} nodes healthy after {timeout_s}s")
 
 
 def client(url: str) -> openai.OpenAI:
