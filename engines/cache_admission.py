@@ -29,6 +29,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engines import engine_memory
+
 log = logging.getLogger(__name__)
 
 # MLX's ``size_t mlx::core::set_cache_limit(size_t)`` (Itanium C++ ABI: Linux and macOS).
@@ -57,27 +59,24 @@ def native_set_cache_limit() -> Callable[[int], int] | None:
     return None
 
 
-def make_room(nbytes: int, limit: int) -> bool:
-    """Free MLX's oldest cached buffers until ``nbytes`` more fit under ``limit``; whether
-    room was made (False: room enough already, no limit, or no native setter)."""
+def make_room(nbytes: int) -> bool:
+    """Free MLX's oldest cached buffers until ``nbytes`` more fit under the cache limit the
+    engine applied; whether room was made (False: room enough already, no limit applied,
+    or no native setter)."""
     setter = native_set_cache_limit()
-    if setter is None or limit <= 0 or mx.get_cache_memory() + nbytes <= limit:
+    limit = engine_memory.applied_cache_limit()
+    if setter is None or limit <= 0 or engine_memory.warm_bytes() + nbytes <= limit:
         return False
     setter(max(limit - nbytes, 0))  # MLX frees its oldest cached buffers down to this
     setter(limit)
     return True
 
 
-def keep_warm_when_freed(cache: Any, nbytes: int, limit: Callable[[], int]) -> None:
+def keep_warm_when_freed(cache: Any, nbytes: int) -> None:
     """When ``cache`` is finalized, make room for the ``nbytes`` of buffers it frees.
 
     A weakref callback runs before the object's attributes are cleared, so the room is
-    made just before its arrays are freed, on the thread that dropped it. ``limit``: the
-    cache limit in force (read then, not now).
+    made just before its arrays are freed, on the thread that dropped it.
     """
-    finalizer = weakref.finalize(cache, _room_for_freed, nbytes, limit)
+    finalizer = weakref.finalize(cache, make_room, nbytes)
     finalizer.atexit = False  # at exit nothing is kept
-
-
-def _room_for_freed(nbytes: int, limit: Callable[[], int]) -> None:
-    make_room(nbytes, limit())

@@ -210,7 +210,7 @@ def from_cache_layer(layer: CacheLayer) -> Any:
     cache = cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
     nbytes = sum(a.nbytes for a in received.values()) if received else 0
     if nbytes >= cache_admission.MIN_LAYER_BYTES:
-        cache_admission.keep_warm_when_freed(cache, nbytes, engine_memory.applied_cache_limit)
+        cache_admission.keep_warm_when_freed(cache, nbytes)
     return cache
 
 

@@ -196,7 +196,7 @@ def test_room_is_made_only_for_layers_of_the_bound_and_up(cache_limit, monkeypat
 
     registered = []
     monkeypatch.setattr(cache_admission, "keep_warm_when_freed",
-                        lambda cache, nbytes, limit: registered.append(nbytes))
+                        lambda cache, nbytes: registered.append(nbytes))
     receive(4400, seed=1)
     assert registered == []
     monkeypatch.setattr(cache_admission, "MIN_LAYER_BYTES", 18 * MIB)
