@@ -121,6 +121,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--receive-pool-bytes", type=int, default=None,
                         help="the decode node's [engine] receive_pool_bytes (default: its own "
                         "auto; 536870912 = the 512 MiB MLX cache it had before the pool)")
+    parser.add_argument("--ingest-nice", type=int, default=None,
+                        help="the decode node's [server] ingest_nice (default: its own, 15)")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.links, args.configs = "256", "loopback", "full-none,full-int8"
@@ -157,7 +159,7 @@ def main() -> None:
     run = LinkRun(model=model, workdir=workdir, sizes=sizes, bytes_per_token=per_token,
                   configs=args.configs.split(","), repeats=args.repeats, placement=placement,
                   plane=plane, itl=_itl_settings(args), rng=random.Random(0),
-                  decode_engine=_decode_engine(args))
+                  decode_sections=_decode_sections(args))
     links = args.links.split(",")
     revision = source_revision()
     print(f"KV plane at {revision}: shape {shape} ({per_token} B/token), sizes {sizes}, "
@@ -176,11 +178,16 @@ def main() -> None:
                    | {"run": {**result["run"], "revision": revision}})
 
 
-def _decode_engine(args: argparse.Namespace) -> dict[str, Any] | None:
-    if args.receive_pool_bytes is None:
-        return None
-    print(f"decode node: [engine] receive_pool_bytes = {args.receive_pool_bytes}", flush=True)
-    return {"receive_pool_bytes": args.receive_pool_bytes}
+def _decode_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The decode node's TOML tables beyond [transfer]: what the flags set, said aloud."""
+    sections: dict[str, dict[str, Any]] = {}
+    if args.receive_pool_bytes is not None:
+        sections["engine"] = {"receive_pool_bytes": args.receive_pool_bytes}
+    if args.ingest_nice is not None:
+        sections["server"] = {"ingest_nice": args.ingest_nice}
+    for name, keys in sections.items():
+        print(f"decode node: [{name}] {keys}", flush=True)
+    return sections
 
 
 def _itl_settings(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ class LinkRun:
     plane: KVPlaneDefaults
     itl: dict[str, Any] | None
     rng: Any
-    decode_engine: dict[str, Any] | None = None  # the decode node's [engine] keys
+    decode_sections: dict[str, dict[str, Any]] | None = None  # the decode node's TOML tables
 
 
 @dataclass
@@ -177,7 +177,7 @@ async def measure_link(link: str, rate: float | None, nodes: NodeSet, ends: Endp
 
 async def run_loopback(run: LinkRun) -> dict[str, Any]:
     nodes = loopback_nodes(run.model, run.workdir / "loopback", run.configs, run.placement,
-                           run.decode_engine)
+                           run.decode_sections)
     try:
         ends = Endpoints(run.placement.taskset("sender"), run.placement.taskset("receiver"),
                          LOOPBACK, free_port())
@@ -237,7 +237,7 @@ def netns_links(run: LinkRun, links: list[str]) -> list[dict[str, Any]]:
     results = []
     with NetnsTopology(("prefill", "decode")) as net:
         nodes = netns_nodes(run.model, NetnsNodes(net, run.workdir / "netns"), run.configs,
-                            run.placement, run.decode_engine)
+                            run.placement, run.decode_sections)
         try:
             ends = Endpoints(run.placement.taskset("sender") + net.exec_argv("prefill", []),
                              run.placement.taskset("receiver") + net.exec_argv("decode", []),

@@ -20,13 +20,16 @@ from bench_common import prometheus_value
 from harness import CpuSampler, Placement, pin_all
 
 from mlxcel_plugin.link import ClusterSecret, generate_secret_file, load_cluster_secret
-from mlxcel_plugin.link.protocol.frames import Request
+from mlxcel_plugin.link.protocol.frames import Cancel, Request
 from mlxcel_plugin.local_cluster import LOOPBACK, NodeProcess, free_port, start_node
 from mlxcel_plugin.testing.link_driver import LinkDriver
 
 TIMEOUT_S = 600.0
 TRANSFER_TIMEOUT_S = 300  # a claim waits this long for its KV on a loaded machine
 VOCAB = 1000  # prompts draw ids below the synthetic model's vocabulary (1024)
+STREAM_TOKENS = 4096  # an ITL stream's max_tokens: more than a window's steps
+SETTLE_S = 1.0  # after an ITL window's streams all joined: the join's step is behind them
+QUIET_LEAD_S = 1.5  # a quiet window's start after SETTLE_S, until a handoff's prefill is timed
 CONFIGS: dict[str, dict[str, Any]] = {  # name -> [transfer] table
     "full-none": {"strategy": "full", "codec": "none"},
     "streamed-none": {"strategy": "streamed", "codec": "none"},
@@ -36,12 +39,12 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name -> [transfer] table
 }
 
 
-def node_toml(transfer: dict[str, Any], engine: dict[str, Any] | None = None) -> str:
-    values = {**transfer, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
-    text = "[transfer]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
-    if engine:
-        text += "[engine]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items())
-    return text
+def node_toml(transfer: dict[str, Any], sections: dict[str, dict[str, Any]] | None = None) -> str:
+    """A node's TOML: ``[transfer]``, and ``sections`` (name -> keys) as given."""
+    tables = {"transfer": {**transfer, "transfer_timeout_s": TRANSFER_TIMEOUT_S},
+              **(sections or {})}
+    return "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+                   for name, keys in tables.items())
 
 
 def get(url: str) -> str:
@@ -76,7 +79,7 @@ def node_args(model: str, secret_path: Path) -> list[str]:
 
 
 def loopback_nodes(model: str, workdir: Path, configs: list[str], placement: Placement,
-                   decode_engine: dict[str, Any] | None = None) -> NodeSet:
+                   decode_sections: dict[str, dict[str, Any]] | None = None) -> NodeSet:
     """Every node on 127.0.0.1 in this namespace (the loopback link)."""
     workdir.mkdir(parents=True, exist_ok=True)
     secret_path = workdir / "cluster.secret"
@@ -87,7 +90,7 @@ def loopback_nodes(model: str, workdir: Path, configs: list[str], placement: Pla
             role = "decode" if name == "decode" else "prefill"
             toml = workdir / f"{name}.toml"
             toml.write_text(node_toml(CONFIGS.get(name, {}),
-                                      decode_engine if role == "decode" else None))
+                                      decode_sections if role == "decode" else None))
             args = [*node_args(model, secret_path), "--distributed-config", str(toml)]
             cores = placement.receiver if role == "decode" else placement.sender
             started[name] = start_node(role, workdir, args, name=name, cpu_affinity=cores,
@@ -104,11 +107,11 @@ def loopback_nodes(model: str, workdir: Path, configs: list[str], placement: Pla
 
 
 def netns_nodes(model: str, nodes: Any, configs: list[str], placement: Placement,
-                decode_engine: dict[str, Any] | None = None) -> NodeSet:
+                decode_sections: dict[str, dict[str, Any]] | None = None) -> NodeSet:
     """The decode node on host "decode", prefill nodes on host "prefill" (``NetnsNodes``)."""
     engine_args = ["--engine", "synthetic-kv", "--model", model]  # NetnsNodes adds the secret
     decode = nodes.start("decode", "decode", "decode", engine_args,
-                         node_toml({}, decode_engine))
+                         node_toml({}, decode_sections))
     pin_all(decode.process.pid, placement.receiver)
     prefills = {}
     for name in configs:
@@ -204,76 +207,100 @@ async def warm_up(nodes: NodeSet, tokens: int, rng: random.Random) -> None:
 
 @dataclass
 class StreamPool:
-    """``count`` streams decoding on the decode node (prefilled there), restarted as they
-    end so the batch always holds ``count``; token arrival times per stream."""
+    """``count`` streams decoding on the decode node (prefilled there) for one measured
+    window; token arrival times per stream.
+
+    The streams start together and run until ``stop()`` cancels them (``max_tokens``
+    outlasts the window), so the batch holds the same ``count`` sequences throughout the
+    window: a stream that ended and restarted inside it would leave and join the batch's
+    group, and each such step copies the group's caches (mlx-lm's ``filter`` and ``extend``:
+    2-3x a plain step), which set p99 apart from any handoff.
+    """
 
     driver: LinkDriver
     count: int
-    max_tokens: int
-    times: list[list[float]] = field(default_factory=list)
-    _stop: bool = False
+    max_tokens: int = STREAM_TOKENS
+    collectors: list[Any] = field(default_factory=list)
 
-    async def run(self, slot: int) -> None:
-        n = 0
-        while not self._stop:  # bounded by stop(): the phase ends after a fixed schedule
-            request_id = f"stream-{slot}-{n}-{time.monotonic_ns()}"
-            collector = self.driver.expect(request_id)
+    async def start(self, tag: str) -> None:
+        """Send every stream; return once each has two tokens (all in the batch)."""
+        for slot in range(self.count):
+            request_id = f"stream-{tag}-{slot}-{time.monotonic_ns()}"
+            self.collectors.append(self.driver.expect(request_id))
             ids = [(7 * j + slot) % VOCAB + 3 for j in range(8)]
             await self.driver.decode.send(Request(request_id, ids, {}, self.max_tokens)
                                           .to_frame())
-            await asyncio.wait_for(collector.done.wait(), TIMEOUT_S)
-            self.times.append(collector.outcome.token_times_s)
-            n += 1
+        deadline = time.perf_counter() + TIMEOUT_S
+        while any(len(c.outcome.token_times_s) < 2 for c in self.collectors):
+            if time.perf_counter() > deadline or any(c.done.is_set() for c in self.collectors):
+                raise RuntimeError(f"ITL streams did not start: {self.collectors[0].outcome}")
+            await asyncio.sleep(0.05)
 
-    def stop(self) -> None:
-        self._stop = True
+    async def stop(self) -> None:
+        """Cancel every stream on the decode node."""
+        for collector in self.collectors:
+            await self.driver.decode.send(Cancel(collector.outcome.request_id, "window over")
+                                          .to_frame())
 
-    def gaps_in(self, windows: list[tuple[float, float]]) -> list[float]:
-        """Gaps between one stream's tokens (its first excluded) ending inside a window."""
+    def gaps_in(self, window: tuple[float, float]) -> list[float]:
+        """Gaps between one stream's tokens (its first excluded) ending inside ``window``."""
+        a, b = window
         found = []
-        for times in self.times:
+        for collector in self.collectors:
+            times = collector.outcome.token_times_s
             for earlier, later in zip(times[1:], times[2:], strict=False):
-                if any(a <= later < b for a, b in windows):
+                if a <= later < b:
                     found.append(later - earlier)
         return found
 
 
-async def quiet_window(quiet: list[tuple[float, float]], ingest: list[tuple[float, float]],
-                       least_s: float) -> None:
-    """A window without handoffs, as long as the last ingest window (as many gaps to rank)."""
-    start = time.perf_counter()
-    await asyncio.sleep(max([least_s, *(b - a for a, b in ingest[-1:])]))
-    quiet.append((start, time.perf_counter()))
+async def ingest_window(driver: LinkDriver, url: str, tokens: int, tag: str,
+                        rng: random.Random) -> tuple[float, float, float]:
+    """One handoff of ``tokens`` to the decode node: (submit, end of prefill, ack)."""
+    before = handoff_totals(url)
+    submitted = time.perf_counter()
+    outcome = await driver.generate(f"ingest-{tag}-{rng.random():.6f}", prompt(tokens, rng), 2,
+                                    timeout_s=TIMEOUT_S)
+    if not outcome.ok or len(outcome.token_times_s) < 2:
+        raise RuntimeError(f"ingest {tag}: {outcome.finish_reason} {outcome.error}")
+    # From the end of prefill to the decode node's ack: the bytes arriving and landing. Not
+    # the step that takes the sequence in after it (its attention over the whole prompt,
+    # which a stream pays beside any long prompt, handed over or not; adoption into MLX is
+    # in it too: see "ack to 1st token s" less "step CPU s"). ``generate`` returns after
+    # that step, and the window's streams are cancelled then: no measured gap holds it.
+    prefilled = outcome.token_times_s[0]
+    return submitted, prefilled, prefilled + handoff_totals(url)[0] - before[0]
 
 
 async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, handoffs_n: int,
                     quiet_s: float, rng: random.Random) -> dict[str, Any]:
-    """Streams decode; quiet windows alternate with ``handoffs_n`` handoffs of ``tokens``."""
+    """The same streams' gaps in ``handoffs_n`` windows while a handoff of ``tokens`` lands,
+    and in as many quiet windows, paired so both kinds see streams of the same age.
+
+    Each window gets its own ``streams`` streams, started together and cancelled after it,
+    so every window measures streams ``SETTLE_S`` + the handoff's prefill time into their
+    life (a stream's step grows with its context: a quiet window later in one set of streams'
+    life than the ingest windows would read slower for that alone). Quiet windows come first
+    in each pair and last as long as the last ingest window (``quiet_s`` before the first).
+    """
+    url = nodes.urls[config]
+    quiet_gaps: list[float] = []
+    ingest_gaps: list[float] = []
+    lead_s, length_s, ingest_s = QUIET_LEAD_S, quiet_s, 0.0
     async with nodes.driver(config) as driver:
-        pool = StreamPool(driver, streams, max_tokens=96)
-        tasks = [asyncio.create_task(pool.run(slot)) for slot in range(streams)]
-        # Every stream joined the batch, and the node's work from the runs before (its
-        # last handoffs' steps) is over: gaps of 0.3-0.9 s ended up to ~3 s in.
-        await asyncio.sleep(5.0)
-        quiet, ingest = [], []
-        for k in range(handoffs_n):
-            await quiet_window(quiet, ingest, quiet_s)
-            before = handoff_totals(nodes.urls[config])
-            outcome = await driver.generate(f"ingest-{k}-{rng.random():.6f}",
-                                            prompt(tokens, rng), 2, timeout_s=TIMEOUT_S)
-            if not outcome.ok or len(outcome.token_times_s) < 2:
-                raise RuntimeError(f"ingest {k}: {outcome.finish_reason} {outcome.error}")
-            # From the end of prefill to the decode node's ack: the bytes arriving and
-            # landing. Not the step that takes the sequence in after it (its attention over
-            # the whole prompt, which a stream pays beside any long prompt, handed over or
-            # not; adoption into MLX is in it too: see "ack to 1st token s" less "step CPU s").
-            acked = outcome.token_times_s[0] + handoff_totals(nodes.urls[config])[0] - before[0]
-            ingest.append((outcome.token_times_s[0], acked))
-            # Its steps (ack to first token: ~one) end before the next quiet window starts:
-            # neither window holds a step with the long sequence in the batch.
-            await asyncio.sleep(2 * max(0.0, outcome.token_times_s[1] - acked))
-        await quiet_window(quiet, ingest, quiet_s)
-        pool.stop()
-        await asyncio.wait(tasks, timeout=TIMEOUT_S)
-    return {"quiet": pool.gaps_in(quiet), "ingest": pool.gaps_in(ingest),
-            "ingest_s": sum(b - a for a, b in ingest)}
+        for k in range(2 * handoffs_n):
+            pool = StreamPool(driver, streams)
+            await pool.start(str(k))
+            await asyncio.sleep(SETTLE_S)
+            if k % 2 == 0:
+                await asyncio.sleep(lead_s)
+                begin = time.perf_counter()
+                await asyncio.sleep(length_s)
+                quiet_gaps += pool.gaps_in((begin, time.perf_counter()))
+            else:
+                submitted, prefilled, acked = await ingest_window(driver, url, tokens, str(k), rng)
+                ingest_gaps += pool.gaps_in((prefilled, acked))
+                lead_s, length_s = prefilled - submitted, acked - prefilled
+                ingest_s += length_s
+            await pool.stop()
+    return {"quiet": quiet_gaps, "ingest": ingest_gaps, "ingest_s": ingest_s}

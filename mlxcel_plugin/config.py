@@ -22,6 +22,7 @@ from mlxcel_plugin.speculative.settings import METHODS, SpeculativeConfig
 ROLES = ("hybrid", "prefill", "decode", "router")
 # link.protocol.handshake's bound (the link imports this module's package: not imported here).
 MAX_BULK_LANES = 16
+MAX_NICE = 19  # the lowest CPU priority Linux gives a thread
 # 8 MiB: a 128k-token prompt of ordinary text with room for tool schemas.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -70,6 +71,9 @@ class ServerConfig:
     # Bulk lanes a prefill node asks of decode nodes, and the most a node grants (--bulk-lanes,
     # MLXCEL_BULK_LANES; docs/bulk-lanes.md); 0: one per core, up to 4.
     bulk_lanes: int = 0
+    # Decode node: CPU niceness of the threads that receive KV handoffs (--ingest-nice; Linux),
+    # so a saturated core runs the streams' steps first (docs/bulk-lanes.md#ingest-priority).
+    ingest_nice: int = 15
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -104,6 +108,7 @@ ENV_VARS = {
     "MLXCEL_API_KEY": "api_keys",  # comma-separated
     "MLXCEL_MAX_REQUEST_BYTES": "max_request_bytes",
     "MLXCEL_BULK_LANES": "bulk_lanes",
+    "MLXCEL_INGEST_NICE": "ingest_nice",
     "MLX_HOSTFILE": "shard_hostfile",  # as mlx.launch sets them
     "MLX_RANK": "shard_rank",
 }
@@ -345,6 +350,8 @@ def validate(config: ServerConfig) -> ServerConfig:
     if not 0 <= config.bulk_lanes <= MAX_BULK_LANES:
         raise ConfigError(f"bulk_lanes = {config.bulk_lanes}: expected 1..{MAX_BULK_LANES} "
                           "lanes (0: one per core, up to 4)")
+    if not 0 <= config.ingest_nice <= MAX_NICE:
+        raise ConfigError(f"ingest_nice = {config.ingest_nice}: expected 0..{MAX_NICE}")
     if config.engine_config.receive_pool_bytes < 0:
         raise ConfigError("[engine] receive_pool_bytes must be >= 0 (0: auto)")
     if config.model is not None and not Path(config.model).is_dir():

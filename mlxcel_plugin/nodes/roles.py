@@ -90,18 +90,16 @@ def decode_scheduler_config(config: ServerConfig,
                                   "[decode_scheduler]")
 
 
-# A decode node receives KV bodies on a thread that yields the core to its decode
-# batch (the isolation disaggregation is for): ingestion runs on what the batch leaves.
-DECODE_BULK_READER_NICE = 10
 # KV chunks from this size on take the bulk channel: decrypted off the event loop, into
 # the assembler's buffers, without the GIL, instead of on the loop the batch shares.
 KV_BULK_THRESHOLD_BYTES = 32 * 1024
 
 
-def link_config(role: str, bulk_lanes: int = 0) -> LinkConfig:
-    """The links a node serves: decode nodes receive KV bodies at a lower CPU priority;
+def link_config(role: str, bulk_lanes: int = 0, ingest_nice: int = 0) -> LinkConfig:
+    """The links a node serves: a decode node receives KV bodies at niceness ``ingest_nice``
+    (``--ingest-nice``: ingestion runs on what its decode batch leaves of a busy core);
     ``bulk_lanes`` (``--bulk-lanes``; 0: one per core up to 4) bounds the lanes it grants."""
-    return LinkConfig(bulk_reader_nice=DECODE_BULK_READER_NICE if role == "decode" else 0,
+    return LinkConfig(bulk_reader_nice=ingest_nice if role == "decode" else 0,
                       bulk_max_lanes=bulk_lanes_for(bulk_lanes))
 
 
@@ -247,7 +245,8 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
                               node.drain)
     links = await serve_links(config.serving_bind, secret, config.role, node.node_id,
                               accept_roles, on_link, max_links=settings.max_links,
-                              config=link_config(config.role, config.bulk_lanes),
+                              config=link_config(config.role, config.bulk_lanes,
+                                                 config.ingest_nice),
                               announce=_announce(config, engine))
     ops = await OpsServer.start(config.host, config.port, OpsRoutes(
         node.health, node.metrics.render, ready=lambda: not node.drain.draining))
