@@ -342,16 +342,17 @@ class DecodeNode:
         self._end(request_id)
 
     async def housekeeping(self) -> None:
-        """Claims whose KV never came, and KV nobody claimed, end after transfer_timeout_s."""
+        """Claims whose KV never came or stopped coming, and KV nobody claimed, end after
+        transfer_timeout_s."""
         while True:  # cancelled at shutdown
             await asyncio.sleep(HOUSEKEEPING_S)
             self.expire(time.monotonic())
 
     def expire(self, now: float) -> None:
         cutoff = now - self.parts.transfer_timeout_s
-        for ingest in self.receiver.older_than(cutoff):
+        for ingest in self.receiver.stalled_since(cutoff):
             if ingest.request_id in self.claims:
-                late = HandoffError("the KV cache did not complete in transfer_timeout_s",
+                late = HandoffError("no KV of the handoff came for transfer_timeout_s",
                                     code="transfer_timeout")
                 self._fail_claim(ingest.request_id, late)
             else:

@@ -64,6 +64,9 @@ class Ingest:
     assembler: KVAssembler
     lanes: set[Link] = field(default_factory=set)
     started_s: float = field(default_factory=time.monotonic)
+    # When its last frame came: it times out once nothing came for ``transfer_timeout_s``,
+    # so a handoff slower than that (a long prompt on a slow or busy link) still lands.
+    progressed_s: float = field(default_factory=time.monotonic)
     first_token: int | None = None
 
 
@@ -145,6 +148,7 @@ class HandoffReceiver:
             logger.debug("dropping %s for handoff %s epoch %d", frame.type.name, handoff_id, epoch)
             return None
         ingest.lanes.add(link)
+        ingest.progressed_s = time.monotonic()
         try:
             if frame.type is FrameType.KV_END:
                 ingest.first_token = end_first_token(frame)
@@ -242,8 +246,9 @@ class HandoffReceiver:
         logger.debug("idle: released %d MiB of receive buffers", freed >> 20)
         return freed
 
-    def older_than(self, cutoff_s: float) -> list[Ingest]:
-        return [i for i in self.ingests.values() if i.started_s < cutoff_s]
+    def stalled_since(self, cutoff_s: float) -> list[Ingest]:
+        """Handoffs whose last frame came before ``cutoff_s``."""
+        return [i for i in self.ingests.values() if i.progressed_s < cutoff_s]
 
 
 def _free(assembler: KVAssembler) -> None:

@@ -72,6 +72,9 @@ class OutgoingHandoff:
     chunks_ahead: int = 0  # chunks of prefill cells' rows, sent before their layers
     rows_stopped: bool = False  # the backlog passed ROWS_BACKLOG_BYTES: no more rows ahead
     sent_bytes: int = 0
+    # The last frame handed to a link (the link takes more only as it drains): the handoff
+    # times out once nothing moved for ``transfer_timeout_s``, not once it took that long.
+    progressed_s: float = field(default_factory=time.monotonic)
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
     first_token: int | None = None  # set by finish()
@@ -205,6 +208,7 @@ class OutgoingHandoff:
         if self.first_chunk_s is None and frame.type is FrameType.KV_CHUNK:
             self.first_chunk_s = time.monotonic()
         self.sent_bytes += len(frame.body)
+        self.progressed_s = time.monotonic()
 
     def link_sample(self, acked_s: float) -> tuple[int, float]:
         """(bytes, seconds) to measure the link by; each window can only undercount it.

@@ -26,7 +26,7 @@ from mlxcel_plugin.compatibility import KVProfile
 from mlxcel_plugin.engine_api import PrefillResult, prefill_rows
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
-from mlxcel_plugin.kv_serde import ModelFingerprint
+from mlxcel_plugin.kv_serde import AckHeader, ModelFingerprint
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
     ErrorFrame,
@@ -240,8 +240,7 @@ class PrefillNode:
         while job.handoff is not None:  # one pass per attempt; the scheduler bounds retries
             handoff, error, code = job.handoff, "", ""
             try:
-                remaining = self._deadline_s(job) - time.monotonic()
-                ack = await asyncio.wait_for(asyncio.shield(handoff.ack), max(remaining, 0.0))
+                ack = await self._ack_while_moving(job, handoff)
                 if ack.ok:
                     self._on_acked(job, handoff)
                     return
@@ -253,8 +252,20 @@ class PrefillNode:
             if not await self._retry(job, handoff, code, error):
                 return
 
-    def _deadline_s(self, job: NodeJob) -> float:
-        return job.first_token_s + self.parts.transfer_config.transfer_timeout_s
+    async def _ack_while_moving(self, job: NodeJob, handoff: OutgoingHandoff) -> AckHeader:
+        """The attempt's ack; TimeoutError once no frame moved for ``transfer_timeout_s``
+        (a slow link's long handoff keeps its time while its bytes flow)."""
+        timeout_s = self.parts.transfer_config.transfer_timeout_s
+        while True:  # bounded: each pass waits until the latest progress plus the timeout
+            moved_s = max(job.first_token_s, handoff.progressed_s)
+            remaining = moved_s + timeout_s - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            self.scheduler.on_handoff_progress(job.request_id, moved_s)
+            try:
+                return await asyncio.wait_for(asyncio.shield(handoff.ack), remaining)
+            except TimeoutError:
+                continue  # frames may have moved meanwhile: the loop looks again
 
     def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff) -> None:
         self.metrics.observe_handoff(time.monotonic() - job.first_token_s, handoff.sent_bytes,

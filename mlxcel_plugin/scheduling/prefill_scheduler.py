@@ -46,7 +46,8 @@ class PrefillSchedulerConfig:
     chunk_size_tokens: int = 128
     aging_rate_tokens_per_s: float = 100.0
     max_handoff_retries: int = 2
-    # Budget for the whole handoff (all attempts) before the prefill copy is freed.
+    # How long a handoff (all attempts) may go with none of its KV moving before the prefill
+    # copy is freed; bytes still flowing extend it.
     transfer_timeout_s: float = 30.0
     retry_after_s: float = 1.0
 
@@ -184,6 +185,12 @@ class PrefillScheduler:
         return 1
 
     # --- handoff ---------------------------------------------------------------
+
+    def on_handoff_progress(self, request_id: str, moved_s: float) -> None:
+        """The handoff's bytes moved at ``moved_s``: its deadline is that plus the timeout."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is not None:
+            handoff.deadline_s = max(handoff.deadline_s, moved_s + self.config.transfer_timeout_s)
 
     def on_handoff_acked(self, request_id: str) -> bool:
         """The decode node holds the KV: the prefill copy can be freed."""

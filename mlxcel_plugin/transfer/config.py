@@ -25,7 +25,9 @@ class TransferConfig:
     codec: str = AUTO  # "auto", "none", or a registered codec / chain ("shuffle+lz4")
     parallelism: int = 1  # links per handoff that LayerParallel may use
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # raw tensor bytes per chunk
-    transfer_timeout_s: float = 30.0  # sender frees its copy on ack or after this
+    # A handoff fails once none of its KV moved for this long (sender and receiver alike);
+    # a slow one keeps going while its bytes flow. The sender frees its copy on the ack.
+    transfer_timeout_s: float = 30.0
     # Lossy codecs change the tokens; "auto" only picks them when this is set.
     allow_lossy: bool = False
 

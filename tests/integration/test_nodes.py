@@ -463,6 +463,39 @@ def test_prefill_disappearing_mid_handoff_errors_the_claim(fake_nodes):
     wait_baseline(decode)
 
 
+def test_a_handoff_slower_than_the_timeout_lands_while_its_frames_keep_coming(fake_nodes):
+    """transfer_timeout_s bounds a stall, not a handoff: frames 0.4 of the timeout apart,
+    2.8 timeouts end to end, and the claim decodes (it timed out from its start before)."""
+    nodes, decode = fake_nodes["nodes"], fake_nodes["victim"]
+
+    async def go():
+        router_link = await dial_link(decode.serving_bind, nodes.secret, "router", "r",
+                                      expect_roles={"decode"})
+        await router_link.send(Request("slow", [], max_tokens=4, claim=True).to_frame())
+        link = await as_prefill(nodes, decode)
+        started = time.monotonic()
+        for frame in handoff_frames("slow", [4] * 8, fake_fingerprint()):
+            await link.send(frame)
+            await link.drain()
+            await asyncio.sleep(0.4 * FAULT_TIMEOUT_S)  # a slow sender, pacing on purpose
+        ack = await next_ack(link)
+        took = time.monotonic() - started
+        async with asyncio.timeout(FAULT_TIMEOUT_S + 3):
+            while True:  # bounded by the timeout
+                frame = await router_link.recv()
+                if frame.type is FrameType.RESULT and frame.header.get("finish_reason"):
+                    break
+        await router_link.close()
+        await link.close()
+        return ack, took, frame.header
+
+    ack, took, last = run(go())
+    assert took > 2 * FAULT_TIMEOUT_S
+    assert ack.ok, ack.error
+    assert last["request_id"] == "slow" and last["finish_reason"] != "error"
+    wait_baseline(decode)
+
+
 def test_decode_at_capacity_is_retried_then_reported(fake_nodes):
     nodes, prefill, tight = fake_nodes["nodes"], fake_nodes["prefill"], fake_nodes["tight"]
 

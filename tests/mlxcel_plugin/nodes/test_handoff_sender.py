@@ -92,8 +92,11 @@ def test_a_stalled_lane_does_not_hold_up_the_others_and_each_lane_keeps_its_orde
         assert free.frames[0].type is FrameType.KV_BEGIN
         assert free.chunk_layers() == [1, 1, 3, 3, 5, 5]  # K and V
         assert stalled.frames == []
+        moved_s = handoff.progressed_s  # the free lane's frames moved it
+        assert moved_s > handoff.started_s
         stalled.released.set()
         await settle()
+        assert handoff.progressed_s > moved_s  # and the stalled lane's, once released
         kinds = [f.type for f in stalled.frames]
         assert kinds[0] is FrameType.KV_BEGIN and kinds[-1] is FrameType.KV_END
         assert stalled.chunk_layers() == [0, 0, 2, 2, 4, 4]

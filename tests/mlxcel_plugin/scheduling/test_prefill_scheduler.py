@@ -218,6 +218,19 @@ def test_expired_returns_handoffs_past_the_deadline_once():
     assert s.expired(now=100.0) == ["b"]
 
 
+def test_a_handoff_whose_bytes_move_keeps_its_time():
+    s = scheduler(transfer_timeout_s=5.0)
+    s.submit(PrefillJob("slow", 10), now=0.0)
+    s.next_ready(0.0)
+    s.on_prefill_done("slow", now=1.0, target="decode-0")
+    s.on_handoff_progress("slow", moved_s=4.0)  # frames still going out at 4 s
+    assert s.expired(now=8.9) == []
+    assert s.on_handoff_failed("slow", now=8.5).retry is True  # within 5 s of the last move
+    s.on_handoff_progress("slow", moved_s=2.0)  # an older sighting moves nothing back
+    assert s.expired(now=9.0) == ["slow"]
+    s.on_handoff_progress("slow", moved_s=20.0)  # forgotten: nothing to extend
+
+
 def test_prefill_finishing_after_release_starts_no_handoff():
     s = scheduler()
     s.submit(PrefillJob("r", 10), now=0.0)
