@@ -328,6 +328,24 @@ async def as_prefill(nodes: Nodes, decode: NodeProcess) -> Link:
                            expect_roles={"decode"})
 
 
+async def claimed_then_dialed(nodes: Nodes, decode: NodeProcess, request_id: str
+                              ) -> tuple[Link, Link]:
+    """A router link that claimed ``request_id`` on ``decode``, and a prefill link to it."""
+    router_link = await dial_link(decode.serving_bind, nodes.secret, "router", "r",
+                                  expect_roles={"decode"})
+    await router_link.send(Request(request_id, [], max_tokens=4, claim=True).to_frame())
+    return router_link, await as_prefill(nodes, decode)
+
+
+async def final_result(link: Link, timeout_s: float) -> dict:
+    """The header of the request's last RESULT (the one with a finish reason) on ``link``."""
+    async with asyncio.timeout(timeout_s):
+        while True:  # bounded by the timeout
+            frame = await link.recv()
+            if frame.type is FrameType.RESULT and frame.header.get("finish_reason"):
+                return frame.header
+
+
 async def next_ack(link: Link, timeout_s: float = 5.0) -> AckHeader:
     async with asyncio.timeout(timeout_s):
         while True:  # bounded by the timeout
@@ -440,10 +458,7 @@ def test_prefill_disappearing_mid_handoff_errors_the_claim(fake_nodes):
     nodes, decode = fake_nodes["nodes"], fake_nodes["victim"]
 
     async def go():
-        router_link = await dial_link(decode.serving_bind, nodes.secret, "router", "r",
-                                      expect_roles={"decode"})
-        await router_link.send(Request("half", [], max_tokens=4, claim=True).to_frame())
-        link = await as_prefill(nodes, decode)
+        router_link, link = await claimed_then_dialed(nodes, decode, "half")
         frames = handoff_frames("half", [4] * 8, fake_fingerprint())
         for frame in frames[:3]:  # begin and two chunks, then the prefill node is gone
             await link.send(frame)
@@ -451,12 +466,9 @@ def test_prefill_disappearing_mid_handoff_errors_the_claim(fake_nodes):
         await asyncio.sleep(0.1)
         assert health(decode)["ingesting"] == 1
         await link.close()
-        async with asyncio.timeout(FAULT_TIMEOUT_S + 3):
-            while True:  # bounded by the timeout
-                frame = await router_link.recv()
-                if frame.type is FrameType.RESULT:
-                    await router_link.close()
-                    return frame.header
+        header = await final_result(router_link, FAULT_TIMEOUT_S + 3)
+        await router_link.close()
+        return header
 
     result = run(go())
     assert result["request_id"] == "half" and result["finish_reason"] == "error"
@@ -469,10 +481,7 @@ def test_a_handoff_slower_than_the_timeout_lands_while_its_frames_keep_coming(fa
     nodes, decode = fake_nodes["nodes"], fake_nodes["victim"]
 
     async def go():
-        router_link = await dial_link(decode.serving_bind, nodes.secret, "router", "r",
-                                      expect_roles={"decode"})
-        await router_link.send(Request("slow", [], max_tokens=4, claim=True).to_frame())
-        link = await as_prefill(nodes, decode)
+        router_link, link = await claimed_then_dialed(nodes, decode, "slow")
         started = time.monotonic()
         for frame in handoff_frames("slow", [4] * 8, fake_fingerprint()):
             await link.send(frame)
@@ -480,14 +489,10 @@ def test_a_handoff_slower_than_the_timeout_lands_while_its_frames_keep_coming(fa
             await asyncio.sleep(0.4 * FAULT_TIMEOUT_S)  # a slow sender, pacing on purpose
         ack = await next_ack(link)
         took = time.monotonic() - started
-        async with asyncio.timeout(FAULT_TIMEOUT_S + 3):
-            while True:  # bounded by the timeout
-                frame = await router_link.recv()
-                if frame.type is FrameType.RESULT and frame.header.get("finish_reason"):
-                    break
+        last = await final_result(router_link, FAULT_TIMEOUT_S + 3)
         await router_link.close()
         await link.close()
-        return ack, took, frame.header
+        return ack, took, last
 
     ack, took, last = run(go())
     assert took > 2 * FAULT_TIMEOUT_S
