@@ -73,7 +73,7 @@ class ServerConfig:
     bulk_lanes: int = 0
     # Decode node: CPU niceness of the threads that receive KV handoffs (--ingest-nice; Linux),
     # so a saturated core runs the streams' steps first (docs/bulk-lanes.md#ingest-priority).
-    ingest_nice: int = 15
+    ingest_nice: int = 10
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
