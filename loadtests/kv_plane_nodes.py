@@ -274,8 +274,8 @@ async def ingest_window(driver: LinkDriver, url: str, tokens: int, tag: str,
 
 async def itl_phase(nodes: NodeSet, config: str, tokens: int, streams: int, handoffs_n: int,
                     quiet_s: float, rng: random.Random) -> dict[str, Any]:
-    """The same streams' gaps in ``handoffs_n`` windows while a handoff of ``tokens`` lands,
-    and in as many quiet windows, paired so both kinds see streams of the same age.
+    """Streams' gaps in ``handoffs_n`` windows while a handoff of ``tokens`` lands, and in
+    as many quiet windows, paired so both kinds see streams of the same age.
 
     Each window gets its own ``streams`` streams, started together and cancelled after it,
     so every window measures streams ``SETTLE_S`` + the handoff's prefill time into their

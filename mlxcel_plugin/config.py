@@ -23,6 +23,7 @@ ROLES = ("hybrid", "prefill", "decode", "router")
 # link.protocol.handshake's bound (the link imports this module's package: not imported here).
 MAX_BULK_LANES = 16
 MAX_NICE = 19  # the lowest CPU priority Linux gives a thread
+DEFAULT_INGEST_NICE = 10  # a decode node's KV readers (docs/bulk-lanes.md#ingest-priority)
 # 8 MiB: a 128k-token prompt of ordinary text with room for tool schemas.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -73,7 +74,7 @@ class ServerConfig:
     bulk_lanes: int = 0
     # Decode node: CPU niceness of the threads that receive KV handoffs (--ingest-nice; Linux),
     # so a saturated core runs the streams' steps first (docs/bulk-lanes.md#ingest-priority).
-    ingest_nice: int = 10
+    ingest_nice: int = DEFAULT_INGEST_NICE
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     # Raw TOML sections for sub-configs owned by other modules (scheduler, transfer, ...).
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

@@ -72,9 +72,10 @@ class OutgoingHandoff:
     chunks_ahead: int = 0  # chunks of prefill cells' rows, sent before their layers
     rows_stopped: bool = False  # the backlog passed ROWS_BACKLOG_BYTES: no more rows ahead
     sent_bytes: int = 0
-    # The last frame handed to a link (the link takes more only as it drains): the handoff
-    # times out once nothing moved for ``transfer_timeout_s``, not once it took that long.
-    progressed_s: float = field(default_factory=time.monotonic)
+    # The last frame handed to a link (the link takes more only as it drains; None: none yet):
+    # the handoff times out once nothing moved for ``transfer_timeout_s``, not once it took
+    # that long.
+    progressed_s: float | None = None
     began: bool = False  # a begin went out: the decode node may hold state to drop
     aborted: bool = False
     first_token: int | None = None  # set by finish()

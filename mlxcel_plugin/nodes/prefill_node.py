@@ -253,15 +253,16 @@ class PrefillNode:
                 return
 
     async def _ack_while_moving(self, job: NodeJob, handoff: OutgoingHandoff) -> AckHeader:
-        """The attempt's ack; TimeoutError once no frame moved for ``transfer_timeout_s``
-        (a slow link's long handoff keeps its time while its bytes flow)."""
-        timeout_s = self.parts.transfer_config.transfer_timeout_s
-        while True:  # bounded: each pass waits until the latest progress plus the timeout
-            moved_s = max(job.first_token_s, handoff.progressed_s)
-            remaining = moved_s + timeout_s - time.monotonic()
+        """The attempt's ack; TimeoutError at the scheduler's deadline for the handoff, which
+        frames still moving push on (a slow link's long handoff keeps its time while its bytes
+        flow; every attempt shares one budget otherwise)."""
+        while True:  # bounded: each pass waits until the deadline the latest progress gives
+            deadline_s = self.scheduler.on_handoff_progress(job.request_id, handoff.progressed_s)
+            if deadline_s is None:  # the scheduler let it go (released): the first budget
+                deadline_s = job.first_token_s + self.parts.transfer_config.transfer_timeout_s
+            remaining = deadline_s - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
-            self.scheduler.on_handoff_progress(job.request_id, moved_s)
             try:
                 return await asyncio.wait_for(asyncio.shield(handoff.ack), remaining)
             except TimeoutError:

@@ -22,7 +22,7 @@ from mlxcel_plugin.compatibility import (
     chat_template_digest,
     tokenizer_digest,
 )
-from mlxcel_plugin.config import ServerConfig, dataclass_from_mapping
+from mlxcel_plugin.config import DEFAULT_INGEST_NICE, ServerConfig, dataclass_from_mapping
 from mlxcel_plugin.discovery_api import model_fingerprint
 from mlxcel_plugin.engine_api import Engine, EngineConfig
 from mlxcel_plugin.gc_pauses import freeze_startup_heap
@@ -95,7 +95,8 @@ def decode_scheduler_config(config: ServerConfig,
 KV_BULK_THRESHOLD_BYTES = 32 * 1024
 
 
-def link_config(role: str, bulk_lanes: int = 0, ingest_nice: int = 0) -> LinkConfig:
+def link_config(role: str, bulk_lanes: int = 0,
+                ingest_nice: int = DEFAULT_INGEST_NICE) -> LinkConfig:
     """The links a node serves: a decode node receives KV bodies at niceness ``ingest_nice``
     (``--ingest-nice``: ingestion runs on what its decode batch leaves of a busy core);
     ``bulk_lanes`` (``--bulk-lanes``; 0: one per core up to 4) bounds the lanes it grants."""

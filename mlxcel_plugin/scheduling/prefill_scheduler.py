@@ -186,11 +186,15 @@ class PrefillScheduler:
 
     # --- handoff ---------------------------------------------------------------
 
-    def on_handoff_progress(self, request_id: str, moved_s: float) -> None:
-        """The handoff's bytes moved at ``moved_s``: its deadline is that plus the timeout."""
+    def on_handoff_progress(self, request_id: str, moved_s: float | None) -> float | None:
+        """The handoff's deadline (None: not handing off), after its bytes last moved at
+        ``moved_s`` (None: none moved yet): no earlier than that plus the timeout."""
         handoff = self._handoffs.get(request_id)
-        if handoff is not None:
+        if handoff is None:
+            return None
+        if moved_s is not None:
             handoff.deadline_s = max(handoff.deadline_s, moved_s + self.config.transfer_timeout_s)
+        return handoff.deadline_s
 
     def on_handoff_acked(self, request_id: str) -> bool:
         """The decode node holds the KV: the prefill copy can be freed."""

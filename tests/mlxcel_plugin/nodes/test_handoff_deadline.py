@@ -11,16 +11,25 @@ import pytest
 
 from mlxcel_plugin.kv_serde import AckHeader
 from mlxcel_plugin.nodes.prefill_node import PrefillNode
+from mlxcel_plugin.scheduling import PrefillJob, PrefillScheduler, PrefillSchedulerConfig
 
 TIMEOUT_S = 0.3
 
 
-class Scheduler:
-    def __init__(self) -> None:
-        self.moves: list[float] = []
+class Scheduler(PrefillScheduler):
+    """The real scheduler, handing off request "r", and the progress it was told of."""
 
-    def on_handoff_progress(self, request_id: str, moved_s: float) -> None:
-        self.moves.append(moved_s)
+    def __init__(self) -> None:
+        super().__init__(PrefillSchedulerConfig(transfer_timeout_s=TIMEOUT_S))
+        self.moves: list[float] = []
+        self.submit(PrefillJob("r", 10), now=time.monotonic())
+        self.next_ready(time.monotonic())
+        self.on_prefill_done("r", time.monotonic(), target="decode-0")
+
+    def on_handoff_progress(self, request_id: str, moved_s: float | None) -> float | None:
+        if moved_s is not None:
+            self.moves.append(moved_s)
+        return super().on_handoff_progress(request_id, moved_s)
 
 
 def node() -> SimpleNamespace:
@@ -50,7 +59,7 @@ async def wait(prefill: SimpleNamespace, handoff: SimpleNamespace, moving_s: flo
 
 def test_the_ack_is_awaited_past_the_timeout_while_frames_move():
     async def main():
-        handoff = SimpleNamespace(progressed_s=0.0, ack=asyncio.get_running_loop().create_future())
+        handoff = SimpleNamespace(progressed_s=None, ack=asyncio.get_running_loop().create_future())
         prefill = node()
         return await wait(prefill, handoff, moving_s=3 * TIMEOUT_S), prefill.scheduler.moves
 
@@ -61,7 +70,7 @@ def test_the_ack_is_awaited_past_the_timeout_while_frames_move():
 
 def test_no_frame_moving_for_the_timeout_gives_up():
     async def main():
-        handoff = SimpleNamespace(progressed_s=0.0, ack=asyncio.get_running_loop().create_future())
+        handoff = SimpleNamespace(progressed_s=None, ack=asyncio.get_running_loop().create_future())
         job = SimpleNamespace(request_id="r", first_token_s=time.monotonic())
         started = time.monotonic()
         with pytest.raises(TimeoutError):

@@ -223,12 +223,15 @@ def test_a_handoff_whose_bytes_move_keeps_its_time():
     s.submit(PrefillJob("slow", 10), now=0.0)
     s.next_ready(0.0)
     s.on_prefill_done("slow", now=1.0, target="decode-0")
-    s.on_handoff_progress("slow", moved_s=4.0)  # frames still going out at 4 s
+    assert s.on_handoff_progress("slow", moved_s=None) == 6.0  # nothing moved yet
+    assert s.on_handoff_progress("slow", moved_s=4.0) == 9.0  # frames still going out at 4 s
     assert s.expired(now=8.9) == []
     assert s.on_handoff_failed("slow", now=8.5).retry is True  # within 5 s of the last move
-    s.on_handoff_progress("slow", moved_s=2.0)  # an older sighting moves nothing back
+    # An older sighting, or a new attempt none of whose frames moved yet, moves nothing back.
+    assert s.on_handoff_progress("slow", moved_s=2.0) == 9.0
+    assert s.on_handoff_progress("slow", moved_s=None) == 9.0
     assert s.expired(now=9.0) == ["slow"]
-    s.on_handoff_progress("slow", moved_s=20.0)  # forgotten: nothing to extend
+    assert s.on_handoff_progress("slow", moved_s=20.0) is None  # forgotten: nothing to extend
 
 
 def test_prefill_finishing_after_release_starts_no_handoff():
