@@ -122,7 +122,7 @@ def parse_args() -> argparse.Namespace:
                         help="the decode node's [engine] receive_pool_bytes (default: its own "
                         "auto; 536870912 = the 512 MiB MLX cache it had before the pool)")
     parser.add_argument("--ingest-nice", type=int, default=None,
-                        help="the decode node's [server] ingest_nice (default: its own, 10)")
+                        help="the decode node's [server] ingest_nice (default: its own, 15)")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.links, args.configs = "256", "loopback", "full-none,full-int8"

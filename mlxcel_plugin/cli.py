@@ -104,7 +104,7 @@ def add_kv_plane_flags(parser: argparse.ArgumentParser) -> None:
         help="parallel encrypted TCP lanes per KV link, 1-16 (default: one per core, up to 4)")
     add("--ingest-nice", type=int,
         help="decode node: CPU niceness 0-19 of the threads receiving KV handoffs, so a busy "
-             "core runs the streams' steps first (default 10; 0: ingest at full priority)")
+             "core runs the streams' steps first (default 15; 0: ingest at full priority)")
 
 
 def resolve_default_model() -> str:

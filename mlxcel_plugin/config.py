@@ -23,7 +23,7 @@ ROLES = ("hybrid", "prefill", "decode", "router")
 # link.protocol.handshake's bound (the link imports this module's package: not imported here).
 MAX_BULK_LANES = 16
 MAX_NICE = 19  # the lowest CPU priority Linux gives a thread
-DEFAULT_INGEST_NICE = 10  # a decode node's KV readers (docs/bulk-lanes.md#ingest-priority)
+DEFAULT_INGEST_NICE = 15  # a decode node's KV readers (docs/bulk-lanes.md#ingest-priority)
 # 8 MiB: a 128k-token prompt of ordinary text with room for tool schemas.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 

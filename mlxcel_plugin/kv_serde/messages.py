@@ -149,6 +149,10 @@ class AckHeader:
     ok: bool
     error_code: str | None = None
     error: str | None = None
+    # How busy the decode node's bulk readers were while they read this handoff (0..1;
+    # None: unmeasured, or a peer that predates it). Near 1 the receiver, not the link,
+    # set the pace, and the sender's bandwidth sample is only a floor (link/read_load.py).
+    reader_busy_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -158,6 +162,7 @@ class AckHeader:
             "ok": self.ok,
             "error_code": self.error_code,
             "error": self.error,
+            "reader_busy_share": self.reader_busy_share,
         }
 
     @classmethod
@@ -170,15 +175,19 @@ class AckHeader:
             ok=f.get_bool(data, "ok"),
             error_code=f.get_optional_str(data, "error_code"),
             error=f.get_optional_str(data, "error", 2048),
+            reader_busy_share=f.get_optional_float(data, "reader_busy_share", 0.0, 1.0),
         )
 
 
 def make_ack(
-    request_id: str, handoff_id: str, epoch: int, error: Exception | None = None
+    request_id: str, handoff_id: str, epoch: int, error: Exception | None = None,
+    reader_busy_share: float | None = None,
 ) -> KVMessage:
-    """The ack for a handoff: ok, or the refusal's code and message."""
+    """The ack for a handoff: ok (with how busy its readers were), or the refusal's code
+    and message."""
     if error is None:
-        return KVMessage("ack", AckHeader(request_id, handoff_id, epoch, ok=True).to_dict())
+        return KVMessage("ack", AckHeader(request_id, handoff_id, epoch, ok=True,
+                                          reader_busy_share=reader_busy_share).to_dict())
     code = getattr(error, "code", None) or "handoff_failed"
     text = str(error)[:2048] or code
     return KVMessage("ack", AckHeader(request_id, handoff_id, epoch, False, code, text).to_dict())

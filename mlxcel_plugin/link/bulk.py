@@ -29,6 +29,7 @@ from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.link.protocol.handshake import Session
 from mlxcel_plugin.link.protocol.records import TAG_BYTES, RecordReceiver, RecordSender
+from mlxcel_plugin.link.read_load import ReadLoad, ReadTimer
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -131,6 +132,7 @@ class BulkChannel:
         self._outs = [bytearray(chunk_bytes + TAG_BYTES) for _ in range(2 if pipeline else 1)]
         self._in = bytearray(chunk_bytes + TAG_BYTES)
         self._plain: bytearray | None = None  # for bodies without a sink buffer, on first use
+        self.read_load = ReadLoad()  # every body read so far (link/read_load.py)
         self._send_thread = ThreadPoolExecutor(1, name) if pipeline else None
         _tune(sock)
         _set_io_timeout(sock, io_timeout_s)
@@ -171,6 +173,16 @@ class BulkChannel:
 
     def read_body(self, n_bytes: int, into: memoryview | BodyParts | None = None
                   ) -> bytearray | memoryview | BodyParts:
+        """``_read_body``, adding how busy this reader was to ``read_load`` (only this
+        lane's reader thread writes it; one attribute store, so readers elsewhere see
+        a whole figure)."""
+        with ReadTimer() as timer:
+            body = self._read_body(n_bytes, into)
+        self.read_load = self.read_load + timer.load
+        return body
+
+    def _read_body(self, n_bytes: int, into: memoryview | BodyParts | None
+                   ) -> bytearray | memoryview | BodyParts:
         """Read exactly ``n_bytes`` of body (the length came authenticated over the link).
 
         ``into`` (writable buffers of ``n_bytes`` in all: one, or a BodyParts

@@ -28,6 +28,7 @@ from mlxcel_plugin.link.bulk import BULK_IN_THREAD, BULK_OUT_THREAD, BulkChannel
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.frames import Frame
 from mlxcel_plugin.link.protocol.record_reader import BulkBody
+from mlxcel_plugin.link.read_load import ReadLoad
 
 Received = bytearray | memoryview | BodyParts
 
@@ -56,6 +57,10 @@ class BulkPipe:
     def channel(self) -> BulkChannel:
         """Lane 0 (the only one on a one-lane link)."""
         return self.channels[0]
+
+    def read_load(self) -> ReadLoad:
+        """How busy the lanes' readers were over every body read so far (``read_load``)."""
+        return sum((channel.read_load for channel in self.channels), ReadLoad())
 
     def next_lane(self) -> int:
         """The lane for the next body: round-robin, so consecutive bodies go out in parallel."""

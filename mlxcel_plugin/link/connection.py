@@ -45,6 +45,7 @@ from mlxcel_plugin.link.delivery import FrameDelivery
 from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType, Ping, frame_size
 from mlxcel_plugin.link.protocol.handshake import PeerInfo, Session
 from mlxcel_plugin.link.protocol.record_reader import BulkBody, FrameTooLarge, RecordReader
+from mlxcel_plugin.link.read_load import ReadLoad
 from mlxcel_plugin.link.writer import LinkWriter
 
 # Re-exported: the link's config, close codes and body sink lived here before their modules.
@@ -127,6 +128,10 @@ class Link:
     def bulk_lanes(self) -> int:
         """Bulk lanes (parallel TCP streams for bodies) this link has: 0 without a channel."""
         return self._bulk.lanes if self._bulk is not None else 0
+
+    def bulk_read_load(self) -> ReadLoad:
+        """How busy its bulk readers were over the bodies they read (link/read_load.py)."""
+        return self._bulk.read_load() if self._bulk is not None else ReadLoad()
 
     @property
     def closed(self) -> bool:

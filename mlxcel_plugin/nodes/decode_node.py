@@ -269,7 +269,8 @@ class DecodeNode:
         if not ready.acked:
             ready.acked = True
             self.metrics.handoffs.inc()
-            ack = make_ack(ingest.request_id, ingest.handoff_id, ingest.epoch)
+            ack = make_ack(ingest.request_id, ingest.handoff_id, ingest.epoch,
+                           reader_busy_share=ready.completed.reader_busy_share)
             self._outbox_for(ingest.reply).put(message_to_frame(ack))
         self.scheduler.on_kv_complete(request_id, ready.completed.ingest.epoch)
         self._admit()

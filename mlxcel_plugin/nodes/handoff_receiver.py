@@ -43,6 +43,7 @@ from mlxcel_plugin.kv_serde.convert import Arrival
 from mlxcel_plugin.kv_serde.pool import BufferPool, give_back_to_os, pool_bytes_for
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType
+from mlxcel_plugin.link.read_load import ReadLoad
 from mlxcel_plugin.nodes.kv_wire import chunk_destinations, end_first_token, frame_to_messages
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,24 @@ class Ingest:
     epoch: int
     reply: Link  # acks go back on the link that brought the begin
     assembler: KVAssembler
-    lanes: set[Link] = field(default_factory=set)
+    # Each link its frames came on, with its bulk readers' load when it joined: how busy
+    # they were over this handoff says whether the decode node set its pace.
+    lanes: dict[Link, ReadLoad] = field(default_factory=dict)
     started_s: float = field(default_factory=time.monotonic)
     # When its last frame came: it times out once nothing came for ``transfer_timeout_s``,
     # so a handoff slower than that (a long prompt on a slow or busy link) still lands.
     progressed_s: float = field(default_factory=time.monotonic)
     first_token: int | None = None
+
+    def join(self, link: Link) -> None:
+        if link not in self.lanes:
+            self.lanes[link] = link.bulk_read_load()
+
+    def reader_busy_share(self) -> float | None:
+        """How much of its lanes' reading time their readers were running or waiting for a
+        CPU (link/read_load.py); near 1, the decode node set the pace, not the link."""
+        load = sum((link.bulk_read_load() - at for link, at in self.lanes.items()), ReadLoad())
+        return load.busy_share
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class Completed:
     ingest: Ingest
     state: SerializableCacheState
     first_token: int
+    reader_busy_share: float | None = None  # Ingest.reader_busy_share, for the ack
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,7 @@ class HandoffReceiver:
             # A refused, finished or superseded attempt's late frames: nothing to do.
             logger.debug("dropping %s for handoff %s epoch %d", frame.type.name, handoff_id, epoch)
             return None
-        ingest.lanes.add(link)
+        ingest.join(link)
         ingest.progressed_s = time.monotonic()
         try:
             if frame.type is FrameType.KV_END:
@@ -161,7 +175,7 @@ class HandoffReceiver:
             return None
         del self.ingests[handoff_id]
         first = state.header.first_token if ingest.first_token is None else ingest.first_token
-        return Completed(ingest, state, first)
+        return Completed(ingest, state, first, ingest.reader_busy_share())
 
     def _begin(self, link: Link, frame: Frame, handoff_id: str, epoch: int) -> Outcome:
         self._last_begin_s = time.monotonic()
@@ -181,7 +195,8 @@ class HandoffReceiver:
         assembler = KVAssembler(held, self.codecs, self.limits,
                                 expected_request_id=header.request_id, memory=self.memory,
                                 adopt=self.adopt)
-        ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler, {link})
+        ingest = Ingest(header.request_id, handoff_id, epoch, link, assembler)
+        ingest.join(link)
         self.ingests[handoff_id] = ingest
         try:
             assembler.feed(begin)

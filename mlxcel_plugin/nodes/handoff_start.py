@@ -87,7 +87,8 @@ class HandoffStarter:
         payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
         return self.selector.select(payload, self.bandwidth.estimate(job.target),
                                     lanes_available=self.parts.transfer_config.parallelism,
-                                    can_stream=streaming)
+                                    can_stream=streaming,
+                                    receiver_paced=self.bandwidth.receiver_paced(job.target))
 
     def begin(self, job: NodeJob, epoch: int, choice: TransferChoice, streaming: bool,
               first_token: int = 0) -> OutgoingHandoff:

@@ -54,6 +54,11 @@ from mlxcel_plugin.transfer import sends_rows_ahead
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.25
+# An ack saying the decode node's readers were busy (running or waiting for a CPU) for at
+# least this share of their reading: the receiver set the pace, so the handoff's time is
+# only a floor on the link's speed (link/read_load.py). Link-paced handoffs read far
+# lower: their readers sleep in recv (bench_kv_plane's tbf links: see docs/bulk-lanes.md).
+RECEIVER_PACED_SHARE = 0.8
 
 
 class PrefillNode:
@@ -242,7 +247,7 @@ class PrefillNode:
             try:
                 ack = await self._ack_while_moving(job, handoff)
                 if ack.ok:
-                    self._on_acked(job, handoff)
+                    self._on_acked(job, handoff, ack)
                     return
                 error, code = ack.error or "refused", ack.error_code or "handoff_failed"
             except TimeoutError:
@@ -268,10 +273,12 @@ class PrefillNode:
             except TimeoutError:
                 continue  # frames may have moved meanwhile: the loop looks again
 
-    def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff) -> None:
+    def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff, ack: AckHeader) -> None:
         self.metrics.observe_handoff(time.monotonic() - job.first_token_s, handoff.sent_bytes,
                                      handoff.chunks_ahead, handoff.rows_stopped)
-        self.starter.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()))
+        paced = (ack.reader_busy_share or 0.0) >= RECEIVER_PACED_SHARE
+        self.starter.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()),
+                                       receiver_paced=paced)
         if job.choice is not None:
             self.starter.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
                                         handoff.sent_bytes)

@@ -14,6 +14,7 @@ class _PeerEstimate:
     bytes_per_s: float
     samples: int
     updated_at: float
+    receiver_paced: bool = False  # the newest sample: the receiver, not the link, set its pace
 
 
 class BandwidthEstimator:
@@ -25,6 +26,11 @@ class BandwidthEstimator:
     ``jump_factor`` away from the estimate (either way) replaces it: the link
     changed (a rate cut, a congested path), and averaging would take a dozen
     mis-planned handoffs to notice.
+
+    A ``receiver_paced`` sample (the decode node's readers were busy for most of it:
+    ``link/read_load.py``) says only that the link is at least that fast: it raises an
+    estimate below it and never lowers one, and marks the peer receiver-paced until a
+    sample the link paced comes.
     """
 
     def __init__(
@@ -43,18 +49,36 @@ class BandwidthEstimator:
         self.clock = clock
         self._peers: dict[str, _PeerEstimate] = {}
 
-    def observe(self, peer: str, nbytes: int, seconds: float) -> None:
+    def observe(self, peer: str, nbytes: int, seconds: float, *,
+                receiver_paced: bool = False) -> None:
         if nbytes < self.min_sample_bytes or seconds <= 0:
             return
         sample = nbytes / seconds
         now = self.clock()
         current = self._fresh(peer, now)
+        if receiver_paced:
+            self._observe_floor(peer, sample, now, current)
+            return
         if current is None or self._jumped(current.bytes_per_s, sample):
             self._peers[peer] = _PeerEstimate(sample, 1, now)
             return
         current.bytes_per_s += self.alpha * (sample - current.bytes_per_s)
         current.samples += 1
         current.updated_at = now
+        current.receiver_paced = False
+
+    def _observe_floor(self, peer: str, floor: float, now: float,
+                       current: _PeerEstimate | None) -> None:
+        if current is None or current.bytes_per_s < floor:
+            samples = 1 if current is None else current.samples + 1
+            self._peers[peer] = _PeerEstimate(floor, samples, now, receiver_paced=True)
+            return
+        current.receiver_paced = True
+
+    def receiver_paced(self, peer: str) -> bool:
+        """Whether the newest fresh sample to ``peer`` was paced by the receiver."""
+        current = self._fresh(peer, self.clock())
+        return current is not None and current.receiver_paced
 
     def _jumped(self, estimate: float, sample: float) -> bool:
         return sample > estimate * self.jump_factor or sample * self.jump_factor < estimate
@@ -64,7 +88,7 @@ class BandwidthEstimator:
         current = self._fresh(peer, self.clock())
         return None if current is None else current.bytes_per_s
 
-    def snapshot(self) -> dict[str, dict[str, float | int]]:
+    def snapshot(self) -> dict[str, dict[str, float | int | bool]]:
         """Fresh estimates by peer, for stats and logs."""
         now = self.clock()
         return {
@@ -72,6 +96,7 @@ class BandwidthEstimator:
                 "bytes_per_s": est.bytes_per_s,
                 "samples": est.samples,
                 "age_s": now - est.updated_at,
+                "receiver_paced": est.receiver_paced,
             }
             for peer, est in self._peers.items()
             if now - est.updated_at <= self.stale_after_s

@@ -60,7 +60,7 @@ def test_ingest_nice_flag_beats_toml_beats_env(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text("[server]\ningest_nice = 9\n")
     env = {"MLXCEL_INGEST_NICE": "4"}
-    assert build_config({}, env={}).ingest_nice == 10
+    assert build_config({}, env={}).ingest_nice == 15
     assert build_config({}, env=env).ingest_nice == 4
     assert build_config({"distributed_config": str(toml)}, env=env).ingest_nice == 9
     config = build_config({"distributed_config": str(toml), "ingest_nice": 0}, env=env)

@@ -66,6 +66,8 @@ def test_the_selector_compresses_once_the_link_slows_down(tmp_path, strategy):
     assert choices[2]["bandwidth_bytes_per_s"] > SLOW_BITS_PER_S / 8 * 4
     slow = choices[3]
     assert slow["bandwidth_source"] == "measured"
+    # The link set that pace, not the decode node: its readers slept in recv (link/read_load.py).
+    assert not slow["receiver_paced"], slow
     # Measured, not guessed low: a streamed handoff had queued its layers (megabytes the link
     # had yet to send) before prefill ended, so timing from there undercounted the bytes.
     assert SLOW_BITS_PER_S / 8 * 0.6 <= slow["bandwidth_bytes_per_s"] <= SLOW_BITS_PER_S / 8 * 1.1

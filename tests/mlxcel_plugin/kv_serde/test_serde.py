@@ -160,6 +160,16 @@ def test_ack_round_trip():
     assert refused.error == "old"
 
 
+def test_an_ack_says_how_busy_the_readers_were_and_bounds_it():
+    paced = AckHeader.from_dict(wire(make_ack("r", "h", 1, reader_busy_share=0.93)).header)
+    assert paced.ok and paced.reader_busy_share == pytest.approx(0.93)
+    older_peer = make_ack("r", "h", 1).header
+    del older_peer["reader_busy_share"]  # a decode node from before it: unmeasured
+    assert AckHeader.from_dict(older_peer).reader_busy_share is None
+    with pytest.raises(MalformedHandoff, match="reader_busy_share"):
+        AckHeader.from_dict({**make_ack("r", "h", 1).header, "reader_busy_share": 7})
+
+
 # -- happy paths -----------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from mlxcel_plugin.link.protocol.record_reader import (
     bulk_record,
 )
 from mlxcel_plugin.link.protocol.records import RecordAuthError
+from mlxcel_plugin.link.read_load import ReadLoad
 
 SECRET = bytes(range(32))
 KIB = 1024
@@ -89,6 +90,9 @@ def test_bodies_arrive_identical_and_in_order_over_lanes(lanes, pipeline):
             assert [bytes(f.body) for f in frames] == [*bodies, b"".join(parts)]
             # Every lane carried records (the bodies were spread, not all on lane 0).
             assert all(c._receiver.seq > 0 for c in served._bulk.channels)
+            # The readers' load covers every body they read; the dialer's read none.
+            assert served.bulk_read_load().wall_s > 0 and served.bulk_read_load().busy_s > 0
+            assert link.bulk_read_load() == ReadLoad()
             await link.close()
 
     run(main())

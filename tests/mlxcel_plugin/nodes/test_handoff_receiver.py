@@ -8,6 +8,7 @@ from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import SerializableCacheState
 from mlxcel_plugin.link.protocol.frames import BodyParts, FrameType
+from mlxcel_plugin.link.read_load import ReadLoad
 from mlxcel_plugin.nodes import kv_wire
 from mlxcel_plugin.nodes.handoff_receiver import Completed, HandoffReceiver, Refused
 from mlxcel_plugin.nodes.kv_wire import message_to_frame
@@ -20,7 +21,16 @@ from mlxcel_plugin.testing.caches import (
 
 CODECS = builtin_codecs()
 FP = make_fingerprint(num_layers=3, kv_heads=2, head_dim=64, dtype="float16")
-LINK = object()  # feed only uses the link as a key
+
+
+class _Link:
+    """What feed uses of a link: a key, and its bulk readers' load (none here)."""
+
+    def bulk_read_load(self) -> ReadLoad:
+        return ReadLoad()
+
+
+LINK = _Link()
 
 
 def frames_for(codec="none", handoff_id="h1", joined=False):

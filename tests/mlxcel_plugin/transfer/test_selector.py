@@ -92,12 +92,27 @@ def test_estimator_ignores_latency_bound_samples():
     assert estimator.estimate("d1") is None
 
 
+def test_a_receiver_paced_sample_is_a_floor_on_the_link():
+    estimator = BandwidthEstimator(clock=FakeClock())
+    estimator.observe("d1", 10 * MB, 1.0, receiver_paced=True)  # the first: at least this
+    assert estimator.estimate("d1") == 10 * MB and estimator.receiver_paced("d1")
+    estimator.observe("d1", 1000 * MB, 1.0)  # the link set the pace: measured as ever
+    assert estimator.estimate("d1") == 1000 * MB and not estimator.receiver_paced("d1")
+    estimator.observe("d1", 5 * MB, 1.0, receiver_paced=True)  # a starved receiver: no cut
+    assert estimator.estimate("d1") == 1000 * MB and estimator.receiver_paced("d1")
+    estimator.observe("d1", 3000 * MB, 1.0, receiver_paced=True)  # above it: raised
+    assert estimator.estimate("d1") == 3000 * MB
+    assert estimator.snapshot()["d1"]["receiver_paced"] is True
+    assert not estimator.receiver_paced("d2")
+
+
 def test_estimator_forgets_stale_peers():
     clock = FakeClock()
     estimator = BandwidthEstimator(stale_after_s=60.0, clock=clock)
     estimator.observe("d1", 50 * MB, 1.0)
     clock.now += 30
-    assert estimator.snapshot() == {"d1": {"bytes_per_s": 50 * MB, "samples": 1, "age_s": 30.0}}
+    assert estimator.snapshot() == {"d1": {"bytes_per_s": 50 * MB, "samples": 1, "age_s": 30.0,
+                                            "receiver_paced": False}}
     clock.now += 31
     assert estimator.estimate("d1") is None and estimator.snapshot() == {}
     estimator.observe("d1", 10 * MB, 1.0)  # a fresh start, not blended with the stale value
@@ -142,6 +157,17 @@ def test_fast_link_sends_raw_and_slow_link_compresses():
     assert fast.codec == "none"
     assert slow.codec == "shuffle+lz4"
     assert slow.estimated_s["shuffle+lz4"] < slow.estimated_s["none"]
+
+
+def test_a_receiver_paced_estimate_sends_raw_bytes_where_the_link_alone_would_compress():
+    paced = selector().select(200 * MB, 10 * MB, receiver_paced=True)
+    assert paced.codec == "none" and paced.receiver_paced
+    assert "receiver" in paced.reason
+    assert paced.estimated_s["shuffle+lz4"] < paced.estimated_s["none"]  # what it set aside
+    unmeasured = selector().select(200 * MB, None, receiver_paced=True)  # nothing measured
+    assert not unmeasured.receiver_paced
+    configured = selector(codec="lz4").select(200 * MB, 10 * MB, receiver_paced=True)
+    assert configured.codec == "lz4"
 
 
 def test_lossy_codecs_only_when_allowed():
@@ -194,6 +220,7 @@ def test_choice_is_deterministic_and_loggable():
         "bandwidth_bytes_per_s",
         "bandwidth_source",
         "estimated_s",
+        "receiver_paced",
     }
     assert logged["bandwidth_source"] == "measured"
 
