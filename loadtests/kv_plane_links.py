@@ -153,6 +153,8 @@ async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> 
         row["step_cpu_s"] = statistics.median(h.step_cpu_s for h in done)
         row["cold_cpu_recv_per_gib"] = cold.cpu_s[1] / (cold.kv_bytes / GIB)
         row["warm_handoffs"] = len(warm)
+        shares = [h.reader_busy_share for h in done if h.reader_busy_share is not None]
+        row["reader_busy"] = statistics.median(shares) if shares else None
         row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
         print({k: v for k, v in row.items()}, flush=True)
         rows.append(row)

@@ -149,6 +149,8 @@ class Handoff:
     cpu_s: list[float]  # prefill node, decode node (its next decode step's CPU taken off)
     step_cpu_s: float = 0.0  # the decode node's second decode step over the same cache
     choice: dict[str, Any] = field(default_factory=dict)
+    # How busy the decode node's readers were (its ack): >= 0.8, the receiver set the pace.
+    reader_busy_share: float | None = None
 
     @property
     def whole(self) -> bool:
@@ -178,13 +180,15 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
     # The prefill node's token, the decode node's first, and its next (a plain step).
     prefilled, decoded, stepped = outcome.token_times_s[:3]
     acked = prefilled + after[0] - before[0]
-    choice = json.loads(get(f"{url}/health"))["transfer"]["last_choice"]
+    transfer = json.loads(get(f"{url}/health"))["transfer"]
+    choice = transfer["last_choice"]
     begin = prefilled if choice.get("strategy") == "full" else start
     step_cpu = sampler.between(decoded, stepped)[1]
     cpu = [sampler.between(begin, acked)[0],
            sampler.between(begin, max(decoded, acked))[1] - step_cpu]
     return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
-                   acked - begin, decoded - start, decoded - acked, cpu, step_cpu, choice)
+                   acked - begin, decoded - start, decoded - acked, cpu, step_cpu, choice,
+                   transfer.get("last_reader_busy_share"))
 
 
 async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,

@@ -23,7 +23,7 @@ LOSSLESS = ("full-none",)
 COLUMNS = ["link", "ref Gbit/s", "tokens", "GiB", "path", "chosen", "prefill s", "timed from",
            "s", "GiB/s", "x link", "x AES", "send CPU s/GiB", "recv CPU s/GiB", "send x AES",
            "recv x AES", "recv cold s/GiB", "warm-up", "step CPU s", "wire MiB",
-           "ack to 1st token s"]
+           "ack to 1st token s", "readers busy"]
 
 
 def _r(value: float | None, digits: int = 2) -> float | None:
@@ -66,7 +66,8 @@ def plane_rows(result: dict[str, Any]) -> list[list[Any]]:
                     _r(_ratio(row["cpu_recv_per_gib"], aes and aes["cpu_recv_per_gib"])),
                     _r(row.get("cold_cpu_recv_per_gib")), row.get("warm_handoffs"),
                     _r(row.get("step_cpu_s")),
-                    _r(row["wire_bytes"] / 2**20, 1), _r(row.get("after_ack_s"))])
+                    _r(row["wire_bytes"] / 2**20, 1), _r(row.get("after_ack_s")),
+                    _r(row.get("reader_busy"))])
     return out
 
 

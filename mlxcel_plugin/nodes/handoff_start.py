@@ -48,6 +48,8 @@ class HandoffStarter:
         self.selector = AdaptiveSelector(parts.transfer_config, parts.strategies, parts.codecs)
         self.bandwidth = BandwidthEstimator()
         self.last_choice: dict[str, Any] | None = None
+        # The newest ack's reader_busy_share (link/read_load.py): how the last handoff was paced.
+        self.last_reader_busy_share: float | None = None
 
     def record_choice(self, job: NodeJob, choice: Any, checksum_of: str) -> None:
         """Make the adaptive choice and the estimate behind it visible: log, metric, health."""

@@ -111,6 +111,7 @@ class PrefillNode:
                 "kv_bytes": self.held_kv_bytes(), "engine_kv_bytes": self.engine.stats().kv_bytes,
                 "prefix_cache_bytes": self.engine.stats().prefix_cache.cached_bytes,
                 "transfer": {"last_choice": self.starter.last_choice,
+                             "last_reader_busy_share": self.starter.last_reader_busy_share,
                              "bandwidth_bytes_per_s": self.starter.bandwidth.snapshot()}}
 
     # -- router links ------------------------------------------------------------------
@@ -276,6 +277,7 @@ class PrefillNode:
     def _on_acked(self, job: NodeJob, handoff: OutgoingHandoff, ack: AckHeader) -> None:
         self.metrics.observe_handoff(time.monotonic() - job.first_token_s, handoff.sent_bytes,
                                      handoff.chunks_ahead, handoff.rows_stopped)
+        self.starter.last_reader_busy_share = ack.reader_busy_share
         paced = (ack.reader_busy_share or 0.0) >= RECEIVER_PACED_SHARE
         self.starter.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()),
                                        receiver_paced=paced)
