@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -107,12 +108,24 @@ def test_concurrent_requests_sharing_a_prefix_stay_exact(engines):
         assert outcome.tokens == support.generate(plain, request).tokens
 
 
+def stats_after(engine: MlxEngine, before: int, timeout_s: float = 10.0):
+    """The prefix cache's stats once the engine thread's snapshot shows a lookup since
+    ``before``: it refreshes them after the iteration whose step may already have
+    delivered the request's last token."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # bounded by the deadline
+        stats = engine.stats().prefix_cache
+        if stats.lookup_tokens != before or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
 def test_stats_count_hits_lookups_and_bytes(engines):
     cached, _ = engines
     before = cached.stats().prefix_cache
     request = GenerationRequest("stats", SHARED + tokens(20, seed=5), 2)
     support.generate(cached, request)
-    after = cached.stats().prefix_cache
+    after = stats_after(cached, before.lookup_tokens)
     assert after.lookup_tokens - before.lookup_tokens == len(request.prompt_tokens)
     hit = grid_of(cached).usable(len(SHARED), len(request.prompt_tokens))
     assert after.hit_tokens - before.hit_tokens == hit
