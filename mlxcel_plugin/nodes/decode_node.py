@@ -239,6 +239,8 @@ class DecodeNode:
         elif isinstance(outcome, Completed):
             ingest = outcome.ingest
             self.metrics.ingest_time.observe(time.monotonic() - ingest.started_s)
+            if outcome.reader_busy_share is not None:
+                self.metrics.reader_busy.observe(outcome.reader_busy_share)
             self.ready[ingest.request_id] = Ready(outcome)
             self._start_if_ready(ingest.request_id)
 

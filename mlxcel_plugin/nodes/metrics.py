@@ -91,6 +91,11 @@ class DecodeMetrics(NodeMetrics):
         self.ingest_time = Histogram("mlxcel:kv_ingest_time_seconds",
                                      "From a handoff's begin to its verified end.",
                                      buckets=_SECONDS, registry=r)
+        self.reader_busy = Histogram(
+            "mlxcel:kv_ingest_reader_busy_share",
+            "Of each handoff's body reading, the share its bulk readers were running or waiting "
+            "for a CPU (>= 0.8: this node, not the link, set the pace).",
+            buckets=(0.2, 0.4, 0.6, 0.8, 0.9, 1.0), registry=r)
         self.handoffs = Counter("mlxcel:kv_handoffs_received", "Handoffs acked ok.", registry=r)
         self.refusals = Counter("mlxcel:kv_handoff_refusals", "Handoffs refused, by code.",
                                 ["code"], registry=r)

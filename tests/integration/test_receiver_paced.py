@@ -24,6 +24,7 @@ from mlxcel_plugin.link import generate_secret_file, load_cluster_secret
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port, start_node
 from mlxcel_plugin.testing.fake_engine import expected_tokens
 from mlxcel_plugin.testing.link_driver import LinkDriver
+from tests.integration.test_receive_settings import prometheus_value
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="pins processes to a core; run-queue waits are Linux's")
@@ -70,6 +71,8 @@ def test_a_starved_decode_node_paces_its_handoffs_and_the_selector_sends_raw_byt
 
         outcomes = asyncio.run(two_handoffs())
         state = health(prefill.url)["transfer"]
+        with urllib.request.urlopen(f"{decode.url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
     finally:
         if hog is not None:
             hog.kill()
@@ -82,5 +85,9 @@ def test_a_starved_decode_node_paces_its_handoffs_and_the_selector_sends_raw_byt
     assert estimate["receiver_paced"] is True, state
     second = state["last_choice"]  # planned on the first handoff's floor
     assert second["receiver_paced"] is True and second["codec"] == "none", second
+    assert state["last_reader_busy_share"] >= 0.8
+    # The decode node's own account of both: its readers busy through them.
+    assert prometheus_value(metrics, "mlxcel:kv_ingest_reader_busy_share_count") == 2
+    assert prometheus_value(metrics, 'mlxcel:kv_ingest_reader_busy_share_bucket{le="0.6"}') == 0
     # A floor only rises: the second handoff's pace moved the estimate up or left it.
     assert 0 < second["bandwidth_bytes_per_s"] <= estimate["bytes_per_s"]
