@@ -30,7 +30,8 @@ class BandwidthEstimator:
     A ``receiver_paced`` sample (the decode node's readers were busy for most of it:
     ``link/read_load.py``) says only that the link is at least that fast: it raises an
     estimate below it and never lowers one, and marks the peer receiver-paced until a
-    sample the link paced comes.
+    sample the link paced comes, which then replaces the estimate (a bound is not a
+    measurement to average with).
     """
 
     def __init__(
@@ -59,7 +60,8 @@ class BandwidthEstimator:
         if receiver_paced:
             self._observe_floor(peer, sample, now, current)
             return
-        if current is None or self._jumped(current.bytes_per_s, sample):
+        if current is None or current.receiver_paced or self._jumped(current.bytes_per_s,
+                                                                       sample):
             self._peers[peer] = _PeerEstimate(sample, 1, now)
             return
         current.bytes_per_s += self.alpha * (sample - current.bytes_per_s)

@@ -24,6 +24,7 @@ which a serial sum of the stages ranked the other way round.
 Where the receiver, not the link, set the last handoff's pace (``receiver_paced``:
 the decode node's readers were busy throughout), the wire stage is not what limits,
 and a codec only adds decoding to the side that does: ``auto`` then sends raw bytes.
+The measured figure is then a floor on the link: one below the prior leaves the prior.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class AdaptiveSelector:
         measured = bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s > 0
         bandwidth = bandwidth_bytes_per_s if measured else self.tuning.prior_bytes_per_s
         receiver_paced = receiver_paced and measured
+        if receiver_paced and bandwidth < self.tuning.prior_bytes_per_s:
+            bandwidth, measured = self.tuning.prior_bytes_per_s, False  # the link: at least that
         estimates = self._estimates(payload_bytes, bandwidth)
         codec, codec_reason = self._codec(estimates, receiver_paced)
         wire_s = estimates.get(codec, payload_bytes / bandwidth)

@@ -24,6 +24,7 @@ from mlxcel_plugin.link import generate_secret_file, load_cluster_secret
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port, start_node
 from mlxcel_plugin.testing.fake_engine import expected_tokens
 from mlxcel_plugin.testing.link_driver import LinkDriver
+from mlxcel_plugin.transfer.selector import SelectorTuning
 from tests.integration.test_receive_settings import prometheus_value
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -89,5 +90,9 @@ def test_a_starved_decode_node_paces_its_handoffs_and_the_selector_sends_raw_byt
     # The decode node's own account of both: its readers busy through them.
     assert prometheus_value(metrics, "mlxcel:kv_ingest_reader_busy_share_count") == 2
     assert prometheus_value(metrics, 'mlxcel:kv_ingest_reader_busy_share_bucket{le="0.6"}') == 0
-    # A floor only rises: the second handoff's pace moved the estimate up or left it.
-    assert 0 < second["bandwidth_bytes_per_s"] <= estimate["bytes_per_s"]
+    # A floor only rises (the second handoff's pace moved the estimate up or left it), and
+    # one below the selector's prior leaves the prior: the link is at least that fast.
+    prior = SelectorTuning().prior_bytes_per_s
+    assert prior <= second["bandwidth_bytes_per_s"] <= max(estimate["bytes_per_s"], prior)
+    assert second["bandwidth_source"] == (
+        "prior" if second["bandwidth_bytes_per_s"] == prior else "measured")

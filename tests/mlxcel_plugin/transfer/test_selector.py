@@ -103,6 +103,8 @@ def test_a_receiver_paced_sample_is_a_floor_on_the_link():
     estimator.observe("d1", 3000 * MB, 1.0, receiver_paced=True)  # above it: raised
     assert estimator.estimate("d1") == 3000 * MB
     assert estimator.snapshot()["d1"]["receiver_paced"] is True
+    estimator.observe("d1", 2000 * MB, 1.0)  # the link's pace again: replaces the bound
+    assert estimator.estimate("d1") == 2000 * MB and not estimator.receiver_paced("d1")
     assert not estimator.receiver_paced("d2")
 
 
@@ -160,14 +162,25 @@ def test_fast_link_sends_raw_and_slow_link_compresses():
 
 
 def test_a_receiver_paced_estimate_sends_raw_bytes_where_the_link_alone_would_compress():
-    paced = selector().select(200 * MB, 10 * MB, receiver_paced=True)
+    low_prior = AdaptiveSelector(TransferConfig(), STRATEGIES, CODECS,
+                                 SelectorTuning(prior_bytes_per_s=1 * MB))
+    paced = low_prior.select(200 * MB, 10 * MB, receiver_paced=True)  # a floor above the prior
     assert paced.codec == "none" and paced.receiver_paced
+    assert paced.bandwidth_bytes_per_s == 10 * MB and paced.bandwidth_source == "measured"
     assert "receiver" in paced.reason
     assert paced.estimated_s["shuffle+lz4"] < paced.estimated_s["none"]  # what it set aside
+    assert low_prior.select(200 * MB, 10 * MB).codec == "shuffle+lz4"  # read as the link's
     unmeasured = selector().select(200 * MB, None, receiver_paced=True)  # nothing measured
     assert not unmeasured.receiver_paced
     configured = selector(codec="lz4").select(200 * MB, 10 * MB, receiver_paced=True)
     assert configured.codec == "lz4"
+
+
+def test_a_receiver_paced_floor_below_the_prior_leaves_the_prior():
+    paced = selector().select(200 * MB, 10 * MB, receiver_paced=True)
+    prior = SelectorTuning().prior_bytes_per_s
+    assert (paced.bandwidth_bytes_per_s, paced.bandwidth_source) == (prior, "prior")
+    assert paced.receiver_paced and paced.codec == "none"
 
 
 def test_lossy_codecs_only_when_allowed():
