@@ -17,6 +17,7 @@ interpreter's, OpenBLAS's, Hugging Face's, MLX's variables) falls back to
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -70,8 +71,11 @@ class ForkedNode:
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
+        """As ``Popen.send_signal``: a node already gone is left alone. Its exit status comes
+        from the forkserver (its parent) over a pipe, so it can be gone before poll() says."""
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
