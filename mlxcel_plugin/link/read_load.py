@@ -14,6 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# An ack saying the decode node's readers were busy (running or waiting for a CPU) for at
+# least this share of their reading: the receiver set the pace, so the handoff's time is
+# only a floor on the link's speed. Over a link slower than the receiver the readers
+# sleep in recv and read far lower; where both are near their limit (10 Gbit/s into one
+# busy core: 0.65-0.86, docs/benchmarks.md#bench_kv_plane) a floor at the link's rate is
+# what the estimate gets, and raw bytes what the selector sends.
+RECEIVER_PACED_SHARE = 0.8
+
 # Linux: the calling thread's time on a CPU and time runnable but waiting for one (ns).
 _SCHEDSTAT = Path("/proc/thread-self/schedstat")
 _HAS_SCHEDSTAT = _SCHEDSTAT.exists()

@@ -12,6 +12,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from mlxcel_plugin.link.read_load import RECEIVER_PACED_SHARE
+
 _SECONDS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
     1.25, 2.5, 5.0, 10.0, 20.0, 40.0,
@@ -94,7 +96,7 @@ class DecodeMetrics(NodeMetrics):
         self.reader_busy = Histogram(
             "mlxcel:kv_ingest_reader_busy_share",
             "Of each handoff's body reading, the share its bulk readers were running or waiting "
-            "for a CPU (>= 0.8: this node, not the link, set the pace).",
+            f"for a CPU (>= {RECEIVER_PACED_SHARE}: this node, not the link, set the pace).",
             buckets=(0.2, 0.4, 0.6, 0.8, 0.9, 1.0), registry=r)
         self.handoffs = Counter("mlxcel:kv_handoffs_received", "Handoffs acked ok.", registry=r)
         self.refusals = Counter("mlxcel:kv_handoff_refusals", "Handoffs refused, by code.",

@@ -36,6 +36,7 @@ from mlxcel_plugin.link.protocol.frames import (
     Result,
     Telemetry,
 )
+from mlxcel_plugin.link.read_load import RECEIVER_PACED_SHARE
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
 from mlxcel_plugin.nodes.decode_targets import DecodeTargets
 from mlxcel_plugin.nodes.drain import NodeDrain
@@ -54,13 +55,6 @@ from mlxcel_plugin.transfer import sends_rows_ahead
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.25
-# An ack saying the decode node's readers were busy (running or waiting for a CPU) for at
-# least this share of their reading: the receiver set the pace, so the handoff's time is
-# only a floor on the link's speed (link/read_load.py). Over a link slower than the
-# receiver the readers sleep in recv and read far lower; where both are near their limit
-# (10 Gbit/s into one busy core: 0.65-0.86, docs/benchmarks.md#bench_kv_plane) a floor at
-# the link's rate is what the estimate gets, and raw bytes what the selector sends.
-RECEIVER_PACED_SHARE = 0.8
 
 
 class PrefillNode:
