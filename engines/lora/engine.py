@@ -74,16 +74,25 @@ class LoraMlxEngine(MlxEngine):
             if self._names_a_held_adapter(command):
                 super()._apply(command)
             return
+        digest, error = None, None
         try:
             if command.path is None:
                 self.lora.adapters.retire(command.name)
-                command.done.set_result(None)
             else:
-                command.done.set_result(self.lora.adapters.load(command.name, command.path).digest)
+                digest = self.lora.adapters.load(command.name, command.path).digest
         except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
-            command.done.set_exception(exc)
-        self._free_retired()
-        self._held = self.lora.held()
+            error = exc
+        try:
+            self._free_retired()
+            # What telemetry announces changes before the caller hears it is done: its reply
+            # and any telemetry after it then agree (set after, a snapshot between the two
+            # announced an unloaded adapter again, and the router sent it requests: a 503).
+            self._held = self.lora.held()
+        finally:
+            if error is not None:
+                command.done.set_exception(error)
+            else:
+                command.done.set_result(digest)
 
     def _names_a_held_adapter(self, command: Any) -> bool:
         """A new prompt may name a loaded adapter; a handoff's may be retiring (it runs already)."""

@@ -67,3 +67,23 @@ def test_an_unloaded_adapter_is_refused_without_stopping_the_engine(engines) -> 
     events = support.generate(cached, GenerationRequest("nope", PROMPT, 4, adapter="nope"))
     assert events.events[-1].finish_reason == "error" and "nope" in events.events[-1].error
     assert run(cached, "after", None)[0]
+
+
+def test_announced_adapters_change_before_a_load_or_unload_returns(engines, tiny_model_path,
+                                                                  tmp_path, monkeypatch) -> None:
+    """What ``adapter_digests`` (telemetry) says when the caller is told a command is done:
+    already the new set, so a snapshot taken after the reply never shows an unloaded adapter."""
+    cached, _ = engines
+    seen: list[set[str]] = []
+    submit = cached._submit
+
+    def watched(command) -> None:
+        if hasattr(command, "done"):
+            command.done.add_done_callback(lambda _: seen.append(set(cached.adapter_digests())))
+        submit(command)
+
+    monkeypatch.setattr(cached, "_submit", watched)
+    model, _ = load(str(tiny_model_path))
+    cached.load_adapter("a9", str(write_random_adapter(model, tmp_path / "a9", seed=9)))
+    cached.unload_adapter("a9")
+    assert seen == [{"a0", "a1", "a9"}, {"a0", "a1"}]
