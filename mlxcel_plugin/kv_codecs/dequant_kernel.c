@@ -6,7 +6,7 @@
  * per rotation block, round, a strided copy into the cache): ~1.3 CPU-s per GiB of bf16
  * KV on one x86 core, most of an int8 receiver's CPU (issue 40). MLX's CPU ops took
  * 3.8 s/GiB for the same graph, and Numba did not vectorise the butterflies. This loop
- * runs at ~0.4-0.5 s/GiB here (setup.py builds it).
+ * runs at ~0.3-0.4 s/GiB here (setup.py builds it).
  *
  * The arithmetic is the NumPy decoder's (quant_decode.py) without fused multiply-adds
  * (built with -ffp-contract=off): unrotated rows decode to the same bits; rotated rows sum
@@ -31,12 +31,34 @@
 
 enum { OUT_FLOAT32 = 0, OUT_BFLOAT16 = 1, OUT_FLOAT16 = 2 };
 
+#if defined(__GNUC__) && !defined(__clang__)
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* One stage of stride h within 8 lanes: lane i takes x[i] + x[i + h] where bit h of i is
+ * clear, x[i - h] - x[i] where it is set: the scalar loop's operands in its order (the same
+ * bits), as a shuffle, an add, a subtract and a blend instead of 8 scalar steps. */
+#define STAGE(x, partner, pick) do { \
+    f32x8 other_ = __builtin_shuffle((x), (i32x8)partner); \
+    (x) = __builtin_shuffle((x) + other_, other_ - (x), (i32x8)pick); \
+} while (0)
+
+INLINE void butterflies_of_8(float *x) {
+    f32x8 v;
+    memcpy(&v, x, sizeof v);
+    STAGE(v, ((i32x8){1, 0, 3, 2, 5, 4, 7, 6}), ((i32x8){0, 9, 2, 11, 4, 13, 6, 15}));
+    STAGE(v, ((i32x8){2, 3, 0, 1, 6, 7, 4, 5}), ((i32x8){0, 1, 10, 11, 4, 5, 14, 15}));
+    STAGE(v, ((i32x8){4, 5, 6, 7, 0, 1, 2, 3}), ((i32x8){0, 1, 2, 3, 12, 13, 14, 15}));
+    memcpy(x, &v, sizeof v);
+}
+#else
 INLINE void butterflies_of_8(float *x) {
     for (int i = 0; i < 8; i += 2) { float a = x[i], b = x[i + 1]; x[i] = a + b; x[i + 1] = a - b; }
     for (int i = 0; i < 8; i += 4)
         for (int j = i; j < i + 2; j++) { float a = x[j], b = x[j + 2]; x[j] = a + b; x[j + 2] = a - b; }
     for (int j = 0; j < 4; j++) { float a = x[j], b = x[j + 4]; x[j] = a + b; x[j + 4] = a - b; }
 }
+#endif
 
 /* Each run of `block` values of the row (unnormalised): the three smallest strides within
  * registers, the wider ones as contiguous half-runs the compiler vectorises. */
@@ -75,9 +97,11 @@ INLINE void store_row(const float *w, int width, void *out, int64_t row, int mod
         memcpy((float *)out + row * width, w, (size_t)width * 4);
     } else if (mode == OUT_BFLOAT16) { /* nearest, ties away from zero: the NumPy decoder's */
         uint16_t *o = (uint16_t *)out + row * width;
-        uint32_t bits[MAX_HEAD_DIM];
-        memcpy(bits, w, (size_t)width * 4);
-        for (int k = 0; k < width; k++) o[k] = (uint16_t)((bits[k] + 0x8000u) >> 16);
+        for (int k = 0; k < width; k++) { /* read in place: a copy of the row first cost */
+            uint32_t bits;                /* a sixth of the loop (rep movs) */
+            memcpy(&bits, w + k, 4);
+            o[k] = (uint16_t)((bits + 0x8000u) >> 16);
+        }
     } else {
         uint16_t *o = (uint16_t *)out + row * width;
         for (int k = 0; k < width; k++) o[k] = float16_bits(w[k]);
