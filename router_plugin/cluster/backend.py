@@ -25,10 +25,15 @@ from mlxcel_plugin.engine_api import GenerationRequest, TokenEvent
 from mlxcel_plugin.errors import NoHealthyNodeError
 from router_plugin.cluster.admission import ADMIT, REJECT, AdmissionController, pool_utilization
 from router_plugin.cluster.health import HealthMonitor
-from router_plugin.cluster.migration import DEFAULT_MAX_MIGRATIONS, DEFAULT_TOKEN_TIMEOUT_S
+from router_plugin.cluster.migration import (
+    DEFAULT_MAX_MIGRATIONS,
+    DEFAULT_MIGRATION_WAIT_S,
+    DEFAULT_TOKEN_TIMEOUT_S,
+)
 from router_plugin.cluster.peer_links import PeerLink, PeerLinks
 from router_plugin.cluster.prefix_index import DEFAULT_BLOCK_TOKENS
-from router_plugin.cluster.routed_request import RoutedRequest, RoutingContext
+from router_plugin.cluster.routed_request import RoutedRequest
+from router_plugin.cluster.routing_context import RoutingContext
 from router_plugin.cluster.stats import RouterStats
 from router_plugin.cluster.stream_bridge import DECODE, PREFILL
 
@@ -43,6 +48,9 @@ class RouterConfig:
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     # Once streaming, this long without a token migrates the request; 0 turns it off.
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
+    # A moving request with no healthy pair left waits this long for a node to come back
+    # (one dropped for silence redials at once) before it ends with an error; 0: at once.
+    migration_wait_s: float = DEFAULT_MIGRATION_WAIT_S
     # The prefix index's block: the nodes' prefill chunk ([engine] chunk_size_tokens).
     prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
 
@@ -61,13 +69,16 @@ class ClusterBackend:
         self.balancers, self.admission, self.stats = balancers, admission, stats
         self.config, self.clock = config, clock
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._node_changes: set[asyncio.Event] = set()  # wait_for_nodes' pending waits
         # All a routed request sees of the router: it never calls back into the backend.
         self.routing = RoutingContext(select=self.select, pool=self.pool, stats=stats,
                                       on_load_change=self.on_load_change,
                                       max_placements=config.max_placements,
                                       local_prefill_tokens=local_prefill_tokens,
                                       clock=clock, max_migrations=config.max_migrations,
-                                      token_timeout_s=config.token_timeout_s)
+                                      token_timeout_s=config.token_timeout_s,
+                                      migration_wait_s=config.migration_wait_s,
+                                      wait_for_nodes=self.wait_for_nodes)
         peers.set_on_change(self.on_load_change)
 
     # ------------------------------------------------------------ TokenBackend
@@ -125,8 +136,10 @@ class ClusterBackend:
         """Load dropped (a request ended, telemetry, a node came back): let one queued in.
 
         One at a time: the admitted request's dispatch raises the load, and its
-        ``on_dispatch`` calls here again for the next one.
+        ``on_dispatch`` calls here again for the next one. Every ``wait_for_nodes`` wakes.
         """
+        for changed in self._node_changes:
+            changed.set()
         if not self._waiters:
             return
         now = self.clock()
@@ -134,6 +147,18 @@ class ClusterBackend:
         waiter = self._waiters.get(request_id) if request_id is not None else None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    async def wait_for_nodes(self, timeout_s: float) -> None:
+        """Return once a node connects or its load or health changes, or after ``timeout_s``."""
+        changed = asyncio.Event()
+        self._node_changes.add(changed)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await changed.wait()
+        except TimeoutError:
+            pass  # the caller looks again, and gives up at its own deadline
+        finally:
+            self._node_changes.discard(changed)
 
     # ------------------------------------------------------------ selection
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 from mlxcel_plugin.balancer_api import RequestInfo
 from mlxcel_plugin.engine_api import FINISH_ERROR, GenerationRequest, TokenEvent
@@ -43,8 +41,6 @@ from mlxcel_plugin.link.protocol.frames import Request
 from mlxcel_plugin.logprobs import PromptLogprobs
 from router_plugin.cluster.adapter_routing import adapter_placement, with_adapter
 from router_plugin.cluster.migration import (
-    DEFAULT_MAX_MIGRATIONS,
-    DEFAULT_TOKEN_TIMEOUT_S,
     TOKEN_TIMEOUT_CODE,
     MigrationLedger,
     failed_result_as_error,
@@ -53,10 +49,9 @@ from router_plugin.cluster.migration import (
     next_batch_within,
     stall_event,
 )
-from router_plugin.cluster.node_pool import NodePool
 from router_plugin.cluster.peer_links import PeerEvent, PeerLink
 from router_plugin.cluster.placement import Placement, wire_id
-from router_plugin.cluster.stats import RouterStats
+from router_plugin.cluster.routing_context import RoutingContext
 from router_plugin.cluster.stream_bridge import (
     DECODE,
     PREFILL,
@@ -82,25 +77,6 @@ CLIENT_ERRORS: dict[str, type[MlxcelError]] = {
 }
 
 # (role, request, excluded node ids, prompt prefix keys) -> a healthy node of that role
-SelectNode = Callable[[str, RequestInfo, Collection[str], Sequence[int]], Awaitable[PeerLink]]
-
-
-@dataclass(frozen=True)
-class RoutingContext:
-    """What a routed request needs from the router, passed in (shared by all requests)."""
-
-    select: SelectNode  # the balancers' pick, re-probing unreachable nodes once
-    pool: NodePool  # dispatch/finish counts, which the balancers read
-    stats: RouterStats
-    on_load_change: Callable[[], None]  # a dispatch changed the load: admission may act
-    max_placements: int  # first placement + re-routes
-    # A decode node believed to hold all but this many prompt tokens prefills them itself.
-    local_prefill_tokens: int = 0
-    clock: Callable[[], float] = time.monotonic  # for the pool's telemetry ages
-    max_migrations: int = DEFAULT_MAX_MIGRATIONS  # moves after the client saw a token
-    token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S  # once streaming, silence migrates; 0: off
-
-
 class RoutedRequest:
     """One admitted request: placement, the merged result streams, and its cleanup."""
 
@@ -326,15 +302,21 @@ class RoutedRequest:
         return []
 
     async def _place_again(self) -> None:
-        """Place a moved request; if the nodes it excluded leave no pair, they may serve."""
-        try:
-            await self._place()
-        except NoHealthyNodeError:
-            if not self.excluded:
-                raise
-            # A node that reported a failure may not be the one at fault (P reports D's).
-            self.excluded.clear()
-            await self._place()
+        """Place a moved request; if the nodes it excluded leave no pair, they may serve; if
+        no pair is healthy, wait up to ``migration_wait_s`` for a node to come back (one the
+        router dropped for silence, busy rather than dead, redials at once)."""
+        deadline = self.context.clock() + self.context.migration_wait_s
+        while True:  # bounded: ``excluded`` empties once, then each pass waits to the deadline
+            try:
+                return await self._place()
+            except NoHealthyNodeError:
+                if self.excluded:  # a node that reported a failure may not be the one at fault
+                    self.excluded.clear()
+                    continue
+                left = deadline - self.context.clock()
+                if left <= 0:
+                    raise
+                await self.context.wait_for_nodes(left)
 
     def _worth_rerouting(self, event: PeerEvent) -> bool:
         if self.bridge.attempt + 1 >= self.context.max_placements:

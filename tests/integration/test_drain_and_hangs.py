@@ -119,6 +119,39 @@ def test_a_sigstopped_decode_node_is_unreachable_fast_and_gets_no_new_requests(
         os.kill(hung.process.pid, signal.SIGCONT)
 
 
+def streamed_text(lines: list[str]) -> str:
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]
+                   if json.loads(line[6:]).get("choices"))
+
+
+def test_a_stream_waits_for_its_only_decode_node_to_come_back(tiny_model_path: Path,
+                                                              tmp_path: Path) -> None:
+    """The only decode node dies mid-stream and a new one starts at its address: the request,
+    with no pair left to move to (the router's one re-probe is refused), waits for it
+    (``[router] migration_wait_s``) and ends with the fault-free text instead of an error."""
+    model = fake_model_dir(tmp_path / "model", tiny_model_path, autoregressive=True,
+                           decode_step_s=0.02)
+    cluster = start_cluster(tmp_path / "cluster", model, engine="fake", prefill=1, decode=1,
+                            toml="[router]\nmigration_wait_s = 120\n")  # a loaded CI's start
+    try:
+        url, dead = cluster.router.url, cluster.pool("decode")[0]
+        with open_stream(url, "a long story", max_tokens=120) as lines:
+            fault_free = list(lines)
+        with open_stream(url, "a long story", max_tokens=120) as lines:
+            head = [next(lines) for _ in range(3)]
+            dead.process.kill()
+            dead.process.wait()
+            cluster.nodes.remove(dead)
+            cluster.start_engine_node("decode", dead.serving_bind).wait_healthy(
+                STARTUP_TIMEOUT_S)
+            tail = list(lines)
+        assert finish_reason(head + tail) == "length"
+        assert streamed_text(head + tail) == streamed_text(fault_free)
+        assert httpx.get(f"{url}/router/stats", timeout=10).json()["metrics"]["migrated"] == 1
+    finally:
+        cluster.stop()
+
+
 # -- drain: node roles ------------------------------------------------------------------
 
 
