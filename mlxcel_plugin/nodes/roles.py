@@ -29,6 +29,7 @@ from mlxcel_plugin.gc_pauses import freeze_startup_heap
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.link import ClusterSecret, Link, LinkConfig, require_cluster_secret, serve_links
 from mlxcel_plugin.link.config import bulk_lanes_for
+from mlxcel_plugin.loop_stalls import LoopWatchdog
 from mlxcel_plugin.memory_budget import engine_config_of, engine_model_bytes
 from mlxcel_plugin.nodes.decode_node import DecodeNode, DecodeNodeParts
 from mlxcel_plugin.nodes.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain, StopSignals, wait_drained
@@ -241,6 +242,7 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
     await asyncio.to_thread(engine.start)
     node = build()
     freeze_startup_heap()  # the model, tokenizer and imports: never scanned again
+    watchdog = LoopWatchdog(asyncio.get_running_loop()).start()  # logs where a stall is
     settings = node_settings(config)
     on_link = _with_telemetry(node.serve, node.telemetry, settings.telemetry_interval_s,
                               node.drain)
@@ -267,6 +269,7 @@ async def _serve_until_drained(config: ServerConfig, secret: ClusterSecret, engi
         await node.close()
         await links.close()
         await asyncio.to_thread(engine.close)
+        watchdog.stop()
 
 
 def _with_telemetry(serve: Callable[[Link], Awaitable[None]], snapshot: Callable[[], Any],
