@@ -35,7 +35,7 @@ class LoopWatchdog:
         self.loop, self.stall_s, self.interval_s = loop, stall_s, interval_s
         self.stalls = 0  # reported so far (tests, stats)
         self._beat_s = time.monotonic()
-        self._loop_thread = threading.get_ident()  # start() runs on the loop's thread
+        self._loop_thread: int | None = None  # set by start(), on the loop's thread
         self._stop = threading.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._thread = threading.Thread(target=self._watch, name="mlxcel-loop-watchdog",

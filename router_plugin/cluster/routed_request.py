@@ -76,7 +76,6 @@ CLIENT_ERRORS: dict[str, type[MlxcelError]] = {
     CacheNotTransferableError.code: CacheNotTransferableError,
 }
 
-# (role, request, excluded node ids, prompt prefix keys) -> a healthy node of that role
 class RoutedRequest:
     """One admitted request: placement, the merged result streams, and its cleanup."""
 

@@ -17,6 +17,7 @@ from router_plugin.cluster.node_pool import NodePool
 from router_plugin.cluster.peer_links import PeerLink
 from router_plugin.cluster.stats import RouterStats
 
+# (role, request, excluded node ids, prompt prefix keys) -> a healthy node of that role
 SelectNode = Callable[[str, RequestInfo, Collection[str], Sequence[int]], Awaitable[PeerLink]]
 
 
@@ -26,6 +27,8 @@ async def _no_wait(timeout_s: float) -> None:
 
 @dataclass(frozen=True)
 class RoutingContext:
+    """Built once by the ``ClusterBackend``; every routed request reads the same one."""
+
     select: SelectNode  # the balancers' pick, re-probing unreachable nodes once
     pool: NodePool  # dispatch/finish counts, which the balancers read
     stats: RouterStats

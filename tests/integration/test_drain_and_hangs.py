@@ -120,8 +120,8 @@ def test_a_sigstopped_decode_node_is_unreachable_fast_and_gets_no_new_requests(
 
 
 def streamed_text(lines: list[str]) -> str:
-    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]
-                   if json.loads(line[6:]).get("choices"))
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
 
 
 def test_a_stream_waits_for_its_only_decode_node_to_come_back(tiny_model_path: Path,
