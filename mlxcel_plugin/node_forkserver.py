@@ -49,6 +49,36 @@ IMPORT_TIME_PREFIXES = ("LD_", "PYTHON", "OPENBLAS_", "MLXCEL_NO_OPENBLAS",
 NODE_DEFAULTS = {"TRANSFORMERS_VERBOSITY": "error"}
 
 
+class NodeWaitTimeout(subprocess.TimeoutExpired):
+    """``wait`` timed out: says where the node and the forkserver (its parent, which reports
+    its exit) stand, so a node that was killed yet never reported ended can be told apart
+    from one still running."""
+
+    def __init__(self, args: list[str], timeout: float, pid: int) -> None:
+        super().__init__(args, timeout)
+        self.states = f"node {_process_state(pid)}; forkserver {_process_state(_forkserver_pid())}"
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} ({self.states})"
+
+
+def _forkserver_pid() -> int | None:
+    from multiprocessing import forkserver
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _process_state(pid: int | None) -> str:
+    """``pid``'s state letter and kernel wait channel (Linux), e.g. ``123 S do_select``."""
+    if pid is None:
+        return "not running"
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return f"{pid} gone"
+    return f"{pid} {stat.rpartition(')')[2].split()[0]} {wchan or '-'}"
+
+
 class ForkedNode:
     """The part of ``subprocess.Popen``'s interface the node helpers use, for a forked node."""
 
@@ -67,7 +97,7 @@ class ForkedNode:
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            raise NodeWaitTimeout(self.args, timeout or 0, self.pid)
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:

@@ -18,6 +18,7 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,8 +66,9 @@ def exit_when_any_fails(followers: list[subprocess.Popen]) -> list[threading.Thr
     return watchers
 
 
-def _stop_followers(followers: list[subprocess.Popen]) -> None:
-    """At exit: the engine's close sent them STOP; a straggler is terminated, then killed."""
+def _stop_followers(followers: list[subprocess.Popen], directory: Path) -> None:
+    """At exit: the engine's close sent them STOP; a straggler is killed. Then the ring's
+    hostfile goes (its directory is this node's: each start made a new one in /tmp)."""
     _stopping.set()
     for follower in followers:
         try:
@@ -74,6 +76,7 @@ def _stop_followers(followers: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             follower.kill()
             follower.wait()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def start_local_ranks(config: ServerConfig) -> list[subprocess.Popen]:
@@ -85,7 +88,7 @@ def start_local_ranks(config: ServerConfig) -> list[subprocess.Popen]:
         env = {**os.environ, HOSTFILE_ENV: str(hostfile), RANK_ENV: str(rank)}
         followers.append(subprocess.Popen(follower_argv(config.model, os.getpid()), env=env))
     os.environ[HOSTFILE_ENV], os.environ[RANK_ENV] = str(hostfile), "0"
-    atexit.register(_stop_followers, followers)
+    atexit.register(_stop_followers, followers, directory)
     exit_when_any_fails(followers)
     log.info("sharded over %d local ranks (ring %s)", config.shard_ranks, hostfile)
     return followers

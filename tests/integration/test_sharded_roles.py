@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -133,6 +134,8 @@ def test_a_sharded_node_hands_off_with_an_unsharded_one(sharded: str, expected: 
     assert handed_off == len(CASES)
     assert statuses == [0, 0, 0], [node.log_tail() for node in nodes]
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # no rank left behind
+    ring = re.search(r"local ranks \(ring (\S+)\)", roles[sharded].log_path.read_text())
+    assert ring and not Path(ring.group(1)).parent.exists()  # nor its hostfile's directory
 
 
 def test_ranks_from_a_hostfile_and_a_lost_rank_ends_the_node(tiny_model_path, tmp_path: Path):
