@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engines import cache_admission, cache_layout, engine_memory, kv_room, unfilled
+from engines import cache_admission, cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
 from engines.unfilled import (
     PREFAULT_AHEAD_BYTES,
@@ -208,8 +208,7 @@ def from_cache_layer(layer: CacheLayer) -> Any:
     received = _with_room(layer)
     arrays = received or {name: _to_mlx(a) for name, a in layer.arrays().items()}
     cache = cache_layout.rebuild_leaf(layer.kind, arrays, layer.offset, layer.meta)
-    # What their allocations hold: each buffer is a cache-line-aligned view of its own (unfilled).
-    nbytes = sum(a.nbytes + unfilled.ALIGN_PAD_BYTES for a in received.values()) if received else 0
+    nbytes = sum(a.nbytes for a in received.values()) if received else 0
     if nbytes >= cache_admission.MIN_LAYER_BYTES:
         cache_admission.keep_warm_when_freed(cache, nbytes)
     return cache

@@ -40,8 +40,7 @@ logger = logging.getLogger(__name__)
 # At most this much is held beyond live arrays, per dtype. Each new slab is a hop to MLX's I/O
 # threads that waits for the GIL (1-3 ms under load, in the body sink): one per 64 MiB received.
 SLAB_BYTES = 64 * 1024 * 1024
-_ALIGN_BYTES = 4096  # views start a whole number of pages apart
-ALIGN_PAD_BYTES = 64  # and on a cache line: allocations are this much larger (aligned_start)
+_ALIGN_BYTES = 4096  # views start on page boundaries
 # Arrays this large get an allocation each (decode then writes into them in place); one
 # mx.load each (~0.15 ms) is small beside the bytes that fill them.
 OWN_ALLOCATION_BYTES = 4 * 1024 * 1024
@@ -118,26 +117,11 @@ def own_buffers(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype, coun
     the first decode step copy each of them.
     """
     out = []
-    elements = math.prod(shape)
     for _ in range(count):
-        whole = np.array(unfilled_vector(elements + ALIGN_PAD_BYTES // dtype.itemsize, dtype,
-                                         storage, stream), copy=False)
-        skip = aligned_start(whole)
-        view = whole[skip : skip + elements].reshape(shape)
+        view = np.array(unfilled_array(shape, dtype, storage, stream), copy=False)
         advise_huge_pages(view)  # before any byte is written: 2 MiB faults, not 4 KiB
         out.append(view)
     return out
-
-
-def aligned_start(vector: np.ndarray) -> int:
-    """The first element of ``vector`` on a cache-line boundary (0 if none is in reach).
-
-    Why: MLX's CPU allocator puts an array's data 8 bytes past what malloc gave (which keeps
-    the size there), so a received array starts mid cache line, and AES-GCM decrypting
-    into it ran ~15% slower per byte than into 64-byte-aligned memory (docs/bulk-lanes.md)."""
-    skip_bytes = -vector.ctypes.data % ALIGN_PAD_BYTES
-    skip, rem = divmod(skip_bytes, vector.itemsize)
-    return 0 if rem else skip
 
 
 @dataclass
@@ -204,7 +188,7 @@ class SlabCarver:
             next_slab = self._next.get(dtype)
             plan = [(slab, slab.at + ahead)]
             if next_slab is not None:
-                plan.append((next_slab, next_slab.at + ahead - slab.left))
+                plan.append((next_slab, ahead - slab.left))
             for part, until in plan:
                 start = max(part.faulted, part.at)
                 stop = min(until, part.array.size, start + max_bytes // dtype.itemsize)
@@ -225,10 +209,7 @@ class SlabCarver:
 
     def _new_slab(self, dtype: np.dtype, storage: mx.Dtype, elements: int) -> _Slab:
         size = max(elements, self._slab_bytes // dtype.itemsize)
-        vector = np.array(unfilled_vector(size + ALIGN_PAD_BYTES // dtype.itemsize, dtype,
-                                          storage, self._stream), copy=False)
-        start = aligned_start(vector)
-        return _Slab(vector, at=start, faulted=start)
+        return _Slab(np.array(unfilled_vector(size, dtype, storage, self._stream), copy=False))
 
 
 def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engines import kv_convert, unfilled
+from engines import kv_convert
 from engines.engine_memory import EngineMemory, warm_bytes
 from engines.synthetic_kv import load_synthetic_model, write_synthetic_checkpoint
 from mlxcel_plugin.builtin_plugin import builtin_codecs
@@ -171,9 +171,7 @@ def test_a_warm_handoff_stays_warm_after_other_buffers_fill_the_pool(cache_limit
     mx.set_cache_limit(limit)
     monkeypatch.setattr(engine_memory, "_applied_cache_bytes", [limit])
     sent, caches = receive(4400, seed=1)
-    # Each K and V is a cache-line-aligned view of an allocation that much larger.
-    handoff_bytes = sum(c.keys.nbytes + c.values.nbytes + 2 * unfilled.ALIGN_PAD_BYTES
-                        for c in caches)
+    handoff_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
     del caches
     gc.collect()
     sent, caches = receive(4200, seed=2)  # takes the buffers just freed
@@ -203,5 +201,4 @@ def test_room_is_made_only_for_layers_of_the_bound_and_up(cache_limit, monkeypat
     assert registered == []
     monkeypatch.setattr(cache_admission, "MIN_LAYER_BYTES", 18 * MIB)
     receive(4400, seed=2)
-    layer = 18 * MIB + 2 * unfilled.ALIGN_PAD_BYTES  # its K and V with room, as allocated
-    assert registered == [layer, layer]  # one per layer
+    assert registered == [18 * MIB, 18 * MIB]  # one per layer: its K and V with room
