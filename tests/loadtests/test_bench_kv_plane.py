@@ -7,6 +7,7 @@ Structure only: which rows and tables appear, never how fast anything was.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,10 @@ GIB = 1 << 30
 
 def test_quick_run_prints_and_writes_every_path_and_table(tmp_path):
     out = tmp_path / "kv_plane.json"
+    # Its workdir (kept, with the nodes' logs) goes under tmp_path, not /tmp.
     done = subprocess.run([sys.executable, str(BENCH), "--quick", "--no-pin", "--json", str(out)],
                           cwd=REPO, check=True, timeout=RUN_TIMEOUT_S, capture_output=True,
-                          text=True)
+                          text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert "KV plane: every path" in done.stdout and "Issue 40 targets" in done.stdout
     result = json.loads(out.read_text())
     plane, proof, itl, targets = result["tables"]

@@ -8,6 +8,7 @@ selector's choice, a raw TCP row); no timing assertions.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,10 @@ def test_the_bare_link_transfer_moves_the_bytes_between_namespaces():
 def test_quick_run_writes_a_row_per_configuration(tmp_path):
     require_netns()
     out = tmp_path / "network.json"
+    # Its workdir (kept, with the nodes' logs) goes under tmp_path, not /tmp.
     subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)], cwd=BENCH.parent,
-                   check=True, timeout=600, capture_output=True)
+                   check=True, timeout=600, capture_output=True,
+                   env={**os.environ, "TMPDIR": str(tmp_path)})
     result = json.loads(out.read_text())
     handoffs, raw, hidden = result["tables"]
     configs = [row[handoffs["columns"].index("config")] for row in handoffs["rows"]]
