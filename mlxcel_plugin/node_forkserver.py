@@ -67,16 +67,26 @@ def _forkserver_pid() -> int | None:
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
+def process_state(pid: int) -> str | None:
+    """``pid``'s state letter from ``/proc`` (``R``, ``S``, ``Z`` ...); None once it is gone
+    (reaped) or where there is no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]  # after the command name, which may hold ")"
+
+
 def _process_state(pid: int | None) -> str:
     """``pid``'s state letter and kernel wait channel (Linux), e.g. ``123 S do_select``."""
     if pid is None:
         return "not running"
+    state = process_state(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         wchan = Path(f"/proc/{pid}/wchan").read_text()
     except OSError:
-        return f"{pid} gone"
-    return f"{pid} {stat.rpartition(')')[2].split()[0]} {wchan or '-'}"
+        state = None
+    return f"{pid} gone" if state is None else f"{pid} {state} {wchan or '-'}"
 
 
 class ForkedNode:

@@ -27,6 +27,7 @@ import httpx
 
 from mlxcel_plugin.link import generate_secret_file
 from mlxcel_plugin.local_cluster import LOOPBACK, LocalCluster, NodeProcess, free_port, start_node
+from mlxcel_plugin.node_forkserver import process_state
 
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 180
@@ -282,8 +283,4 @@ def port_open(address: str) -> bool:
 
 def _ended(pid: int) -> bool:
     """Whether ``pid`` has exited: gone, or a zombie its parent has not reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+    return process_state(pid) in (None, "Z", "X")

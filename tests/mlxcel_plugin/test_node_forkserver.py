@@ -14,7 +14,12 @@ import time
 
 import pytest
 
-from mlxcel_plugin.node_forkserver import ForkedNode, NodeWaitTimeout, _process_state
+from mlxcel_plugin.node_forkserver import (
+    ForkedNode,
+    NodeWaitTimeout,
+    _process_state,
+    process_state,
+)
 
 
 @pytest.fixture
@@ -41,3 +46,4 @@ def test_a_killed_node_is_reported_ended(sleeping_node):
     sleeping_node.kill()
     assert sleeping_node.wait(30) == -signal.SIGKILL
     assert _process_state(sleeping_node.pid).endswith(" gone")  # reaped: no /proc entry
+    assert process_state(sleeping_node.pid) is None
