@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from engines.mlx_engine import MlxEngine
-from mlxcel_plugin.engine_api import EngineConfig, GenerationRequest, SamplingParams
+from mlxcel_plugin.engine_api import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineConfig,
+    GenerationRequest,
+    SamplingParams,
+)
 from mlxcel_plugin.errors import ConfigError
 from mlxcel_plugin.speculative.settings import MethodCounts, SpeculativeConfig
 from tests.engines import support
@@ -78,7 +84,12 @@ def test_unseeded_sampling_drafts_by_the_rejection_rule(engines):
     before = spec.stats().speculative.methods.get("draft", MethodCounts())
     batch = [request(f"free-{i}", 9 + i, temperature=0.7) for i in range(3)]
     for events in concurrently(spec, batch):
-        assert len(events.tokens) == MAX_TOKENS
+        # Each runs to its end: max_tokens, or sooner where a sampled token is EOS (the tiny
+        # model sampled one at token 26 once in a suite run).
+        assert events.last.finish_reason in (FINISH_LENGTH, FINISH_STOP)
+        assert (len(events.tokens) == MAX_TOKENS) == (events.last.finish_reason == FINISH_LENGTH)
+        if events.last.finish_reason == FINISH_STOP:  # ended by the EOS it sampled, no sooner
+            assert events.tokens[-1] in spec.info.eos_token_ids
     assert spec.stats().speculative.methods["draft"].accepted > before.accepted
 
 
