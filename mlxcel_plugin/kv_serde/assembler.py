@@ -88,6 +88,9 @@ class KVAssembler:
         self._codec: KVCodec | None = None
         self._layers: dict[int, ReceivedLayer] = {}
         self._landing: dict[ChunkKey, LandedDecode] = {}  # coded chunks decoded where they land
+        # id(raw header) -> (raw, checked ChunkHeader) of chunks given a destination (rows
+        # claimed): feed takes the same header object without a second parse and check.
+        self._placed: dict[int, tuple[Any, ChunkHeader]] = {}
         self._end: EndHeader | None = None
         self._state = "waiting"
 
@@ -151,6 +154,7 @@ class KVAssembler:
         self._state = "failed"
         self._layers.clear()
         self._landing.clear()
+        self._placed.clear()
         self.allocated_bytes = 0
 
     # -- begin -------------------------------------------------------------
@@ -196,10 +200,10 @@ class KVAssembler:
         view, or per-head pieces filled in order where the layer has room), a ``LandedDecode``
         (coded: decoded into its rows where it lands), or None.
 
-        The header gets every check ``feed`` applies and the rows are reserved for
-        this chunk, so no other chunk can claim them; the chunk must still be fed
-        (with the body written there, or anywhere else) to count. Never raises: a
-        header that would be refused gets None here and its refusal from ``feed``.
+        The header gets every check ``feed`` applies and its rows are claimed, so no
+        other chunk can take them; it counts once fed, this same header object with
+        the body (written there, or anywhere else). Never raises: a header that would
+        be refused gets None here and its refusal from ``feed``.
         """
         if self._state != "receiving" or self._codec is None:
             return None
@@ -213,25 +217,26 @@ class KVAssembler:
             self._claim(chunk, layer)
         except HandoffError:
             return None
-        layer.reserved[(chunk.tensor, chunk.row)] = chunk.rows
+        self._placed[id(raw)] = (raw, chunk)
         if landing is not None:
             self._landing[landing.key] = landing
             return landing
-        views = self._rows_views(chunk, layer)
+        views = layer.rows_views(chunk.tensor, chunk.row, chunk.rows)
         return views[0] if len(views) == 1 else views
 
     def _on_chunk(self, raw: Any, body: Any, body_crc: int | None = None) -> None:
-        chunk = ChunkHeader.from_dict(raw)
-        layer = self._checked_chunk(chunk, len(body))
+        placed = self._placed.pop(id(raw), None)
+        if placed is not None and placed[0] is raw:  # checked, rows claimed: chunk_destination
+            chunk, layer = placed[1], self._layers[placed[1].layer]
+        else:
+            chunk = ChunkHeader.from_dict(raw)
+            layer = self._checked_chunk(chunk, len(body))
+            self._claim(chunk, layer)
         if len(body) != chunk.nbytes:
             raise TruncatedLayer(f"layer {chunk.layer} {chunk.tensor} chunk body {len(body)} "
                                  f"of {chunk.nbytes} bytes")
-        if layer.reserved.get((chunk.tensor, chunk.row)) == chunk.rows:
-            del layer.reserved[(chunk.tensor, chunk.row)]
-        else:
-            self._claim(chunk, layer)
         landing = self._landing.pop((chunk.layer, chunk.tensor, chunk.row), None)
-        in_place = occupies(body, self._rows_views(chunk, layer))
+        in_place = occupies(body, layer.rows_views(chunk.tensor, chunk.row, chunk.rows))
         if landing is not None and landing.done and occupies(body, landing.body):
             if landing.error is not None:  # decoded on the link's thread, and failed there
                 raise landing.error
@@ -272,9 +277,6 @@ class KVAssembler:
             raise UnexpectedMessage(f"layer {chunk.layer} {chunk.tensor} rows overlap a chunk")
         claimed[:] = True
 
-    def _rows_views(self, chunk: ChunkHeader, layer: ReceivedLayer) -> list[memoryview]:
-        return layer.rows_views(chunk.tensor, chunk.row, chunk.rows)
-
     def _tensor_complete(self, index: int, layer: ReceivedLayer, tensor: str) -> None:
         """Check a whole tensor against end (when known); adopt the layer once both are whole."""
         if self._end is not None and layer.checksummed:
@@ -299,10 +301,8 @@ class KVAssembler:
     def _check_attempt(self, handoff_id: str, epoch: int) -> None:
         header = self._begun()
         if handoff_id != header.handoff_id or epoch != header.epoch:
-            raise StaleEpoch(
-                f"message for handoff {handoff_id!r:.80} epoch {epoch}, "
-                f"receiving {header.handoff_id!r} epoch {header.epoch}"
-            )
+            raise StaleEpoch(f"message for handoff {handoff_id!r:.80} epoch {epoch}, "
+                             f"receiving {header.handoff_id!r} epoch {header.epoch}")
 
     def _layer_for(self, chunk: ChunkHeader) -> ReceivedLayer:
         fp = self.local
@@ -316,10 +316,8 @@ class KVAssembler:
         descriptor = chunk.descriptor
         prompt_length = self._begun().prompt_length
         if not descriptor.tokens <= descriptor.offset <= prompt_length:
-            raise MalformedHandoff(
-                f"layer {chunk.layer}: tokens {descriptor.tokens}, offset {descriptor.offset}, "
-                f"prompt_length {prompt_length} are inconsistent"
-            )
+            raise MalformedHandoff(f"layer {chunk.layer}: tokens {descriptor.tokens}, offset "
+                                   f"{descriptor.offset}, prompt_length {prompt_length} disagree")
         check_delta_layer(chunk.layer, descriptor, self._begun())
         return self._allocate(chunk.layer, descriptor)
 
@@ -381,6 +379,7 @@ class KVAssembler:
         # Every tensor was checked against end as it completed (or when end arrived).
         self._state, state = "done", SerializableCacheState(self._begun(), self._cache_state())
         self._layers.clear()  # the state holds them: a view kept here makes MLX copy at decode
+        self._placed.clear()
         return state
 
     def _cache_state(self) -> CacheState:

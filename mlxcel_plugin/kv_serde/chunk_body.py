@@ -8,6 +8,7 @@ a chunk's rows as per-head pieces.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -108,5 +109,12 @@ def occupies(body: Any, dest: memoryview | list[memoryview]) -> bool:
 def _same_bytes(body: Any, dest: memoryview) -> bool:
     if len(body) != len(dest) or not len(dest):
         return False
-    body_at = np.frombuffer(body, dtype=np.uint8).ctypes.data
-    return body_at == np.frombuffer(dest, dtype=np.uint8).ctypes.data
+    return _address(body) == _address(dest)
+
+
+def _address(buffer: Any) -> int:
+    """Where ``buffer``'s bytes start (ctypes for a writable one: ~0.2 µs, numpy's ~1.3)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    except TypeError:  # read-only, or not a buffer ctypes takes
+        return np.frombuffer(buffer, dtype=np.uint8).ctypes.data

@@ -35,10 +35,8 @@ class ReceivedLayer:
     dtype: str
     # Array name ("k", "v", "s0", ...) -> its buffer, in the layer spec's order; {} once adopted.
     tensors: dict[str, np.ndarray]
-    claimed: dict[str, np.ndarray]  # name -> bool per row: filled, or reserved for a body
+    claimed: dict[str, np.ndarray]  # name -> bool per row: filled, or a body's destination
     rows_left: dict[str, int]  # name -> rows not yet filled
-    # (tensor, row) -> rows of a chunk whose body is being written in place.
-    reserved: dict[tuple[str, int], int] = field(default_factory=dict)
     crcs: dict[str, int] = field(default_factory=dict)  # of each tensor once it is complete
     # tensor -> {row: (crc32, bytes)} of chunks whose crc was taken as they landed in place.
     landed_crcs: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
