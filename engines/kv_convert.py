@@ -15,14 +15,12 @@ from mlx_lm.models.cache import KVCache
 
 from engines import cache_admission, cache_layout, engine_memory, kv_room
 from engines.cache_layout import HANDOFF_KINDS, dtype_name
-from engines.receive_stock import RESTOCK_IDLE_ARRAYS, RESTOCK_STEP_ARRAYS, ReceiveStock
 from engines.unfilled import (
     PREFAULT_AHEAD_BYTES,
     PREFAULT_STEP_BYTES,
     SlabCarver,
     mlx_room_view,
     mlx_view,
-    unfilled_array,
 )
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, RowsReady
 from mlxcel_plugin.errors import CacheNotTransferableError, HandoffError
@@ -141,45 +139,29 @@ def kv_buffers(
 
 class ReceiveBuffers:
     """An engine's ``kv_buffers`` (engine_api.Engine): ``kv_buffers`` below with a carver of
-    its own, made on first use; plain K/V get room for ``kv_room_step`` more positions.
-    Large arrays come ready from the carver's stock, which ``prefault`` refills
-    (within the receive pool, beside MLX's cache: engines/receive_stock.py)."""
+    its own, made on first use; plain K/V get room for ``kv_room_step`` more positions."""
 
     kv_room_step = kv_room.ROOM_STEP  # read by kv_serde.ReceiveMemory
 
-    def __init__(self, stock_bytes: int | None = None) -> None:
+    def __init__(self) -> None:
         self._carver: SlabCarver | None = None
-        self._stock_bytes = stock_bytes  # None: the receive pool in force at first use
-
-    @property
-    def stock(self) -> ReceiveStock | None:
-        return self._carver.stock if self._carver is not None else None
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
         if self._carver is None:
-            stock_bytes = self._stock_bytes
-            if stock_bytes is None:
-                stock_bytes = engine_memory.receive_pool_bytes()
-            stock = ReceiveStock(stock_bytes, unfilled_array, engine_memory.warm_bytes)
-            self._carver = SlabCarver(mx.new_stream(mx.cpu), stock=stock)
+            self._carver = SlabCarver(mx.new_stream(mx.cpu))
         return kv_buffers(shape, dtype, count, self._carver)
 
     def prefault(self, decoding: bool) -> int:
-        """Fault in the slab memory the next small handoffs land in and make the large
-        arrays they will take (engine thread, once an iteration: a little while
-        ``decoding``, else all that is due); bytes faulted."""
-        carver = self._carver
-        if carver is None:
+        """Fault in the slab memory the next small handoffs land in (engine thread, once an
+        iteration: a little while ``decoding``, else all that is due); bytes faulted."""
+        if self._carver is None:
             return 0
-        if carver.stock is not None:
-            carver.stock.restock(RESTOCK_STEP_ARRAYS if decoding else RESTOCK_IDLE_ARRAYS)
-        return carver.prefault(PREFAULT_STEP_BYTES if decoding else PREFAULT_AHEAD_BYTES)
+        return self._carver.prefault(PREFAULT_STEP_BYTES if decoding else PREFAULT_AHEAD_BYTES)
 
     def pool_bytes(self) -> tuple[int, int]:
-        """(bound, held now) of the freed buffers handoffs land in and the arrays made
-        ahead for them (the receive pool: docs/bulk-lanes.md#receive-pool)."""
-        ahead = self.stock.held_bytes if self.stock is not None else 0
-        return engine_memory.receive_pool_bytes(), engine_memory.warm_bytes() + ahead
+        """(bound, held now) of the freed buffers handoffs land in (the receive pool:
+        docs/bulk-lanes.md#receive-pool)."""
+        return engine_memory.receive_pool_bytes(), engine_memory.warm_bytes()
 
 
 def adopt_layer(layer: CacheLayer, stream: mx.Stream | None = None) -> CacheLayer:

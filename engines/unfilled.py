@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engines.receive_stock import ReceiveStock
 from mlxcel_plugin.huge_pages import advise_huge_pages, populate_write
 
 logger = logging.getLogger(__name__)
@@ -153,10 +152,8 @@ class SlabCarver:
     allocated (unfilled, not faulted) once the current one runs low.
     """
 
-    def __init__(self, stream: mx.Stream, slab_bytes: int = SLAB_BYTES,
-                 stock: ReceiveStock | None = None):
+    def __init__(self, stream: mx.Stream, slab_bytes: int = SLAB_BYTES):
         self._stream, self._slab_bytes = stream, slab_bytes
-        self.stock = stock  # arrays of their own made ahead (engines/receive_stock.py)
         self._slabs: dict[np.dtype, _Slab] = {}  # dtype -> the slab views are carved from
         self._next: dict[np.dtype, _Slab] = {}  # dtype -> the slab after it, once allocated
         self._lock = threading.Lock()
@@ -164,12 +161,10 @@ class SlabCarver:
     def buffers(self, shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
                 count: int) -> list[np.ndarray]:
         """``count`` writable arrays of ``shape``, each its own page-aligned span of a slab
-        (from ``OWN_ALLOCATION_BYTES`` each: an allocation each, ready from the stock
-        where it has them, else ``own_buffers``)."""
+        (from ``OWN_ALLOCATION_BYTES`` each: an allocation each, ``own_buffers``)."""
         elements = math.prod(shape)
         if elements * dtype.itemsize >= OWN_ALLOCATION_BYTES:
-            ready = [] if self.stock is None else self.stock.take(shape, dtype, storage, count)
-            return ready + own_buffers(shape, dtype, storage, count - len(ready), self._stream)
+            return own_buffers(shape, dtype, storage, count, self._stream)
         step = -(-elements * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES // dtype.itemsize
         with self._lock:
             slab = self._room(dtype, storage, step * count)
