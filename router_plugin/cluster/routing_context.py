@@ -7,6 +7,7 @@ limits, and a way to wait for the nodes to change all come in this context.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ SelectNode = Callable[[str, RequestInfo, Collection[str], Sequence[int]], Awaita
 
 
 async def _no_wait(timeout_s: float) -> None:
-    """A context without a router behind it (tests): nothing will change."""
+    """A context without a router behind it (tests): nothing will change, so the wait runs
+    out (returning at once would make a positive ``migration_wait_s`` a busy loop)."""
+    await asyncio.sleep(max(timeout_s, 0.0))
 
 
 @dataclass(frozen=True)

@@ -189,3 +189,31 @@ def test_a_failed_result_reads_as_the_nodes_error() -> None:
     assert as_error.result is None and not as_error.lost
     fine = PeerEvent("decode", "d0", result=Result("r", 2, [5], "stop", 3))
     assert failed_result_as_error(fine) is fine
+
+
+def test_a_move_with_no_pair_left_waits_out_migration_wait_s_without_spinning() -> None:
+    """A context with no router behind it (``wait_for_nodes`` left as is): a moving request
+    that finds no healthy pair waits out ``migration_wait_s`` and then fails, asking for a
+    node a bounded number of times instead of in a busy loop until the deadline."""
+    from mlxcel_plugin.errors import NoHealthyNodeError
+
+    asks: list[str] = []
+
+    async def no_node(role: str, info: RequestInfo, excluded: Collection[str],
+                      blocks: Sequence[int] = ()) -> PeerLink:
+        asks.append(role)
+        raise NoHealthyNodeError(f"no healthy {role} node")
+
+    async def main():
+        context = RoutingContext(select=no_node, pool=NodePool.from_peers([], []),
+                                 stats=RouterStats(), on_load_change=lambda: None,
+                                 max_placements=3, migration_wait_s=0.2)
+        routed = RoutedRequest(context, request())
+        try:
+            with pytest.raises(NoHealthyNodeError):
+                await routed._place_again()
+        finally:
+            await routed.close()
+
+    run(main())
+    assert 1 <= len(asks) <= 3, asks  # one try, then one after the wait (not thousands)
