@@ -350,6 +350,23 @@ def test_a_duplicate_of_a_chunk_placed_in_place_is_refused():
         assembler.feed(messages[1])
 
 
+def test_a_placed_chunk_counts_once_fed_with_the_header_it_was_placed_with():
+    """``chunk_destination`` claims the rows for that header object (feed takes its checked
+    header without parsing it again): a copy of the header meets claimed rows, and a body
+    of the wrong length is still refused."""
+    messages, _ = messages_for()
+    assembler = KVAssembler(FP, CODECS)
+    assembler.feed(messages[0])
+    assert assembler.chunk_destination(messages[1].header) is not None
+    with pytest.raises(UnexpectedMessage, match="overlap"):
+        assembler.feed(dataclasses.replace(messages[1], header=dict(messages[1].header)))
+    assembler = KVAssembler(FP, CODECS)
+    assembler.feed(messages[0])
+    assert assembler.chunk_destination(messages[1].header) is not None
+    with pytest.raises(TruncatedLayer, match="chunk body"):
+        assembler.feed(dataclasses.replace(messages[1], body=messages[1].body[:-1]))
+
+
 def test_a_tensor_is_checksummed_as_soon_as_end_and_its_rows_are_there():
     messages, _ = messages_for()
     chunks = [m for m in messages if m.kind == "chunk"]
