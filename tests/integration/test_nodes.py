@@ -85,6 +85,16 @@ def health(node: NodeProcess) -> dict:
         return json.loads(response.read())
 
 
+async def health_when(node: NodeProcess, holds, timeout_s: float = FAULT_TIMEOUT_S) -> dict:
+    """Poll /health until ``holds(state)`` (or the timeout); the last state read."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # bounded by the deadline
+        state = health(node)
+        if holds(state) or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.02)
+
+
 def metrics(node: NodeProcess) -> str:
     with urllib.request.urlopen(f"{node.url}/metrics", timeout=5) as response:
         return response.read().decode()
@@ -437,8 +447,8 @@ def test_kv_for_unknown_cancelled_and_mismatched_requests_is_refused(fake_nodes)
         cancelled_ack = await next_ack(link)
         for frame in handoff_frames("never-claimed", [4] * 8, fake_fingerprint()):
             await link.send(frame)
-        await asyncio.sleep(0.2)
-        held = health(decode)  # complete, unacked, waiting for a claim
+        # Complete, unacked, waiting for a claim (until FAULT_TIMEOUT_S drops it).
+        held = await health_when(decode, lambda state: state["ready"] == 1)
         unknown_ack = await next_ack(link, FAULT_TIMEOUT_S + 3)
         await router_link.close()
         await link.close()
@@ -463,8 +473,7 @@ def test_prefill_disappearing_mid_handoff_errors_the_claim(fake_nodes):
         for frame in frames[:3]:  # begin and two chunks, then the prefill node is gone
             await link.send(frame)
         await link.drain()
-        await asyncio.sleep(0.1)
-        assert health(decode)["ingesting"] == 1
+        assert (await health_when(decode, lambda state: state["ingesting"] == 1))["ingesting"] == 1
         await link.close()
         header = await final_result(router_link, FAULT_TIMEOUT_S + 3)
         await router_link.close()
@@ -508,7 +517,8 @@ def test_decode_at_capacity_is_retried_then_reported(fake_nodes):
         link = await as_prefill(nodes, tight)
         for frame in handoff_frames("squatter", [4] * 8, fake_fingerprint()):
             await link.send(frame)
-        await asyncio.sleep(0.2)  # unclaimed: it holds the only ingestion slot
+        # Unclaimed, it holds the only ingestion slot once it is in.
+        await health_when(tight, lambda state: state["ready"] == 1)
         async with driver(nodes, prefill, tight) as link_driver:
             outcome = await link_driver.generate("refused", [6] * 8, 4, timeout_s=10)
         await link.close()
