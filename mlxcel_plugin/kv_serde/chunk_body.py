@@ -116,5 +116,5 @@ def _address(buffer: Any) -> int:
     """Where ``buffer``'s bytes start (ctypes for a writable one: ~0.2 µs, numpy's ~1.3)."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    except TypeError:  # read-only, or not a buffer ctypes takes
+    except (TypeError, BufferError):  # read-only, or not a buffer ctypes takes
         return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
