@@ -88,9 +88,9 @@ class KVAssembler:
         self._codec: KVCodec | None = None
         self._layers: dict[int, ReceivedLayer] = {}
         self._landing: dict[ChunkKey, LandedDecode] = {}  # coded chunks decoded where they land
-        # id(raw header) -> (raw, checked ChunkHeader) of chunks given a destination (rows
-        # claimed): feed takes the same header object without a second parse and check.
-        self._placed: dict[int, tuple[Any, ChunkHeader]] = {}
+        # id(raw header) -> (raw, checked ChunkHeader, its rows' views; None: coded) of chunks
+        # given a destination (rows claimed): feed takes them for the same header object.
+        self._placed: dict[int, tuple[Any, ChunkHeader, list[memoryview] | None]] = {}
         self._end: EndHeader | None = None
         self._state = "waiting"
 
@@ -217,26 +217,27 @@ class KVAssembler:
             self._claim(chunk, layer)
         except HandoffError:
             return None
-        self._placed[id(raw)] = (raw, chunk)
+        views = None if landing else layer.rows_views(chunk.tensor, chunk.row, chunk.rows)
+        self._placed[id(raw)] = (raw, chunk, views)
         if landing is not None:
             self._landing[landing.key] = landing
             return landing
-        views = layer.rows_views(chunk.tensor, chunk.row, chunk.rows)
         return views[0] if len(views) == 1 else views
 
     def _on_chunk(self, raw: Any, body: Any, body_crc: int | None = None) -> None:
         placed = self._placed.pop(id(raw), None)
         if placed is not None and placed[0] is raw:  # checked, rows claimed: chunk_destination
-            chunk, layer = placed[1], self._layers[placed[1].layer]
+            _, chunk, views = placed
+            layer = self._layers[chunk.layer]
         else:
-            chunk = ChunkHeader.from_dict(raw)
+            chunk, views = ChunkHeader.from_dict(raw), None
             layer = self._checked_chunk(chunk, len(body))
             self._claim(chunk, layer)
         if len(body) != chunk.nbytes:
             raise TruncatedLayer(f"layer {chunk.layer} {chunk.tensor} chunk body {len(body)} "
                                  f"of {chunk.nbytes} bytes")
         landing = self._landing.pop((chunk.layer, chunk.tensor, chunk.row), None)
-        in_place = occupies(body, layer.rows_views(chunk.tensor, chunk.row, chunk.rows))
+        in_place = occupies(body, views or layer.rows_views(chunk.tensor, chunk.row, chunk.rows))
         if landing is not None and landing.done and occupies(body, landing.body):
             if landing.error is not None:  # decoded on the link's thread, and failed there
                 raise landing.error
