@@ -32,7 +32,10 @@ def test_live_objects_are_frozen_and_cyclic_garbage_is_freed_first(thawed):
     del a, b
     frozen = freeze_startup_heap()
     assert gone() is None  # collected before the freeze, so not kept forever
-    assert frozen == gc.get_freeze_count() >= len(live)
+    # The count it returns is the freeze's; frozen objects that another thread of this worker
+    # frees meanwhile leave the permanent generation (a suite run read 990,734 against the
+    # 990,738 returned), so the count can only have fallen since.
+    assert frozen >= gc.get_freeze_count() >= len(live)
     assert not any(o is live[0] for o in gc.get_objects())  # outside every generation now
 
 
