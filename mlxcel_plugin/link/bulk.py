@@ -30,6 +30,7 @@ from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.link.protocol.handshake import Session
 from mlxcel_plugin.link.protocol.records import TAG_BYTES, RecordReceiver, RecordSender
 from mlxcel_plugin.link.read_load import ReadLoad, ReadTimer
+from mlxcel_plugin.link.tcp_chrono import TcpChrono, tcp_chrono
 
 logger = logging.getLogger("mlxcel_plugin.link")
 
@@ -239,6 +240,10 @@ class BulkChannel:
                 raise BulkError("bulk channel closed in the middle of a body")
             got += n
         return view
+
+    def tcp_chrono(self) -> TcpChrono | None:
+        """The lane's connection's time with data in flight (link/tcp_chrono.py)."""
+        return tcp_chrono(self._sock)
 
     def shutdown(self) -> None:
         """Wake threads blocked in send/recv on this socket (they then fail fast)."""

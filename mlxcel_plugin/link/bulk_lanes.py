@@ -29,6 +29,7 @@ from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.frames import Frame
 from mlxcel_plugin.link.protocol.record_reader import BulkBody
 from mlxcel_plugin.link.read_load import ReadLoad
+from mlxcel_plugin.link.tcp_chrono import Counts
 
 Received = bytearray | memoryview | BodyParts
 
@@ -61,6 +62,10 @@ class BulkPipe:
     def read_load(self) -> ReadLoad:
         """How busy the lanes' readers were over every body read so far (``read_load``)."""
         return sum((channel.read_load for channel in self.channels), ReadLoad())
+
+    def tcp_chronos(self) -> Counts:
+        """Each lane's connection's time with data in flight (link/tcp_chrono.py)."""
+        return tuple(channel.tcp_chrono() for channel in self.channels)
 
     def next_lane(self) -> int:
         """The lane for the next body: round-robin, so consecutive bodies go out in parallel."""

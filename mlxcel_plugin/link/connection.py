@@ -1,23 +1,16 @@
 """A link: one authenticated, encrypted, bidirectional frame stream between two nodes.
 
 The control path is a WebSocket (websockets 15, ``compression=None``): every
-message after the handshake is one AES-GCM record carrying one link record:
-
-    0x00 FRAME  ‖ encoded frame
-    0x01 BULK   ‖ u64 body length ‖ encoded frame without body (body on the bulk channel)
-    0x02 PART   ‖ a piece of an encoded frame (more follow)
-    0x03 LAST   ‖ the last piece
-
+message after the handshake is one AES-GCM record carrying one link record, whose
+kinds (a frame, several, a piece of one, a bulk body's announcement) are in
+``protocol/record_reader`` and docs/protocol.md §3.
 Large bodies go over the bulk channel (``bulk``) when both ends have one,
 otherwise they are split into PART/LAST records no bigger than the record bound.
 A consumer may register a body sink (``set_body_sink``, see ``bodies``) that
 names, per announced bulk frame, the buffer its body should be decrypted into —
 the KV receiver points it at the layer buffer, so a body is written once.
-Sends go through a byte-bounded queue drained by one writer task
-(``writer``), so a slow peer makes ``send`` wait instead of growing
-memory, and a cancelled ``send`` can never leave half a record on the wire.
-One reader task decrypts, answers PINGs, and hands frames to ``recv``
-through a bounded queue.
+Sends go through ``writer``'s byte-bounded queue (a slow peer makes ``send`` wait).
+One reader task decrypts, answers PINGs, and hands frames to ``recv`` (bounded).
 """
 
 from __future__ import annotations
@@ -46,6 +39,7 @@ from mlxcel_plugin.link.protocol.frames import BodyParts, Frame, FrameType, Ping
 from mlxcel_plugin.link.protocol.handshake import PeerInfo, Session
 from mlxcel_plugin.link.protocol.record_reader import BulkBody, FrameTooLarge, RecordReader
 from mlxcel_plugin.link.read_load import ReadLoad
+from mlxcel_plugin.link.tcp_chrono import Counts, tcp_chrono
 from mlxcel_plugin.link.writer import LinkWriter
 
 # Re-exported: the link's config, close codes and body sink lived here before their modules.
@@ -132,6 +126,12 @@ class Link:
     def bulk_read_load(self) -> ReadLoad:
         """How busy its bulk readers were over the bodies they read (link/read_load.py)."""
         return self._bulk.read_load() if self._bulk is not None else ReadLoad()
+
+    def body_tcp_chronos(self) -> Counts:
+        """Kernel clocks of the connections carrying its bodies (link/tcp_chrono.py)."""
+        if self._bulk is not None:
+            return self._bulk.tcp_chronos()
+        return (tcp_chrono(self._ws.transport.get_extra_info("socket")),)
 
     @property
     def closed(self) -> bool:

@@ -4,7 +4,7 @@ Why: a prefill node learns a link's bandwidth from how long its handoffs take. W
 decode node, not the link, set that pace (its readers starved of CPU by the streams it
 decodes at a low ``ingest_nice``, or slowed by a codec's decoding), the figure says
 nothing of the link, and a codec chosen on it would only add to the receiver's work
-(docs/bulk-lanes.md#receiver-paced). A reader that spent most of a body's read running or
+(docs/bulk-lanes.md#who-set-the-pace). A reader that spent most of a body's read running or
 waiting for a CPU set the pace; one that slept in ``recv`` waited for the link.
 """
 
@@ -13,14 +13,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-# An ack saying the decode node's readers were busy (running or waiting for a CPU) for at
-# least this share of their reading: the receiver set the pace, so the handoff's time is
-# only a floor on the link's speed. Over a link slower than the receiver the readers
-# sleep in recv and read far lower; where both are near their limit (10 Gbit/s into one
-# busy core: 0.65-0.86, docs/benchmarks.md#bench_kv_plane) a floor at the link's rate is
-# what the estimate gets, and raw bytes what the selector sends.
-RECEIVER_PACED_SHARE = 0.8
 
 # Linux: the calling thread's time on a CPU and time runnable but waiting for one (ns).
 _SCHEDSTAT = Path("/proc/thread-self/schedstat")

@@ -38,8 +38,10 @@ from mlxcel_plugin.link import (
     dial_with_backoff,
 )
 from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType
+from mlxcel_plugin.link.tcp_chrono import Counts, busiest_since
 from mlxcel_plugin.nodes.kv_wire import announced_serde_versions, frames_for
 from mlxcel_plugin.transfer import TransferStrategy, sends_rows_ahead
+from mlxcel_plugin.transfer.pacing import LinkSample
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,10 @@ class OutgoingHandoff:
     # At that moment: bytes handed to links so far, and bytes the links still held.
     sent_by_finish_bytes: int = 0
     queued_at_finish_bytes: int = 0
+    # The links' connections' time with data in flight at the first chunk and at finish,
+    # to tell who paced each window (transfer/pacing.py).
+    chrono_at_first_chunk: Counts = ()
+    chrono_at_finish: Counts = ()
     chunks_ahead: int = 0  # chunks of prefill cells' rows, sent before their layers
     rows_stopped: bool = False  # the backlog passed ROWS_BACKLOG_BYTES: no more rows ahead
     sent_bytes: int = 0
@@ -135,6 +141,7 @@ class OutgoingHandoff:
         self.finished_s = time.monotonic()
         self.sent_by_finish_bytes = self.sent_bytes
         self.queued_at_finish_bytes = sum(link.queued_bytes for link in self._links)
+        self.chrono_at_finish = self._chrono()
         self.first_token = first_token  # goes out with the end
         ended = getattr(self.strategy, "prefill_ended", None)
         if ended is not None:  # now, not behind the layers the encoder still works on
@@ -208,22 +215,30 @@ class OutgoingHandoff:
         self.began = self.began or frame.type is FrameType.KV_BEGIN
         if self.first_chunk_s is None and frame.type is FrameType.KV_CHUNK:
             self.first_chunk_s = time.monotonic()
+            self.chrono_at_first_chunk = self._chrono()
         self.sent_bytes += len(frame.body)
         self.progressed_s = time.monotonic()
 
-    def link_sample(self, acked_s: float) -> tuple[int, float]:
-        """(bytes, seconds) to measure the link by; each window can only undercount it.
+    def _chrono(self) -> Counts:
+        """Every connection of the handoff's links (none before they are dialed)."""
+        return tuple(count for link in self._links for count in link.body_tcp_chronos())
+
+    def link_sample(self, acked_s: float) -> LinkSample:
+        """The window to measure the link by; each window can only undercount it.
         From the end of prefill: what was handed to the links since plus what they still
         held then (low by what sat in socket buffers: seconds of a slow link). From the
         first chunk, every byte: the faster of the two, unless cells' rows went ahead at
-        prefill's pace, which says nothing of the link. Where the link kept up with
-        prefill, little is left after it and the estimator drops the sample as too small."""
-        after = (self.sent_bytes - self.sent_by_finish_bytes + self.queued_at_finish_bytes,
-                 acked_s - (self.finished_s or self.started_s))
+        prefill's pace. Where the link kept up with prefill, little is left after it and the
+        estimator drops the sample as too small. Each carries its connections' clocks."""
+        now = self._chrono()
+        after_bytes = self.sent_bytes - self.sent_by_finish_bytes + self.queued_at_finish_bytes
+        after = LinkSample(after_bytes, acked_s - (self.finished_s or self.started_s),
+                           busiest_since(now, self.chrono_at_finish))
         if self.chunks_ahead:
             return after
-        whole = (self.sent_bytes, acked_s - (self.first_chunk_s or self.started_s))
-        return max(whole, after, key=lambda s: s[0] / s[1] if s[1] > 0 else 0.0)
+        whole = LinkSample(self.sent_bytes, acked_s - (self.first_chunk_s or self.started_s),
+                           busiest_since(now, self.chrono_at_first_chunk))
+        return max(whole, after, key=lambda s: s.nbytes / s.seconds if s.seconds > 0 else 0.0)
 
     def _lane_failed(self, exc: BaseException) -> None:
         self.fail(TargetLost(f"decode node {self.target} unreachable: {exc!r:.200}"))

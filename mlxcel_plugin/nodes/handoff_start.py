@@ -90,7 +90,7 @@ class HandoffStarter:
         return self.selector.select(payload, self.bandwidth.estimate(job.target),
                                     lanes_available=self.parts.transfer_config.parallelism,
                                     can_stream=streaming,
-                                    receiver_paced=self.bandwidth.receiver_paced(job.target))
+                                    paced_by=self.bandwidth.paced_by(job.target))
 
     def begin(self, job: NodeJob, epoch: int, choice: TransferChoice, streaming: bool,
               first_token: int = 0) -> OutgoingHandoff:

@@ -12,7 +12,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from mlxcel_plugin.link.read_load import RECEIVER_PACED_SHARE
+from mlxcel_plugin.transfer.pacing import RECEIVER_PACED_SHARE
 
 _SECONDS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
@@ -65,6 +65,10 @@ class PrefillMetrics(NodeMetrics):
         self.handoff_choices = Counter("mlxcel:handoff_choices",
                                        "Handoffs started, by transfer strategy and codec.",
                                        ["strategy", "codec"], registry=r)
+        self.handoff_paced = Counter(
+            "mlxcel:handoff_paced", "Acked handoffs by who set their pace: link (a measurement "
+            "of its speed), sender or receiver (only a floor on it; docs/bulk-lanes.md).",
+            ["by"], registry=r)
         self.handoff_failures = Counter("mlxcel:handoff_failures",
                                         "Handoffs given up, by reason.", ["reason"], registry=r)
         self.requests = Counter("mlxcel:prefill_requests", "Requests by outcome.", ["outcome"],

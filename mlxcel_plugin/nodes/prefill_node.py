@@ -36,7 +36,6 @@ from mlxcel_plugin.link.protocol.frames import (
     Result,
     Telemetry,
 )
-from mlxcel_plugin.link.read_load import RECEIVER_PACED_SHARE
 from mlxcel_plugin.nodes.decode_allowlist import DecodeAllowlist
 from mlxcel_plugin.nodes.decode_targets import DecodeTargets
 from mlxcel_plugin.nodes.drain import NodeDrain
@@ -274,9 +273,11 @@ class PrefillNode:
         self.metrics.observe_handoff(time.monotonic() - job.first_token_s, handoff.sent_bytes,
                                      handoff.chunks_ahead, handoff.rows_stopped)
         self.starter.last_reader_busy_share = ack.reader_busy_share
-        paced = (ack.reader_busy_share or 0.0) >= RECEIVER_PACED_SHARE
-        self.starter.bandwidth.observe(job.target, *handoff.link_sample(time.monotonic()),
-                                       receiver_paced=paced)
+        sample = handoff.link_sample(time.monotonic())
+        paced_by = sample.paced_by(ack.reader_busy_share)
+        self.metrics.handoff_paced.labels(paced_by).inc()
+        self.starter.bandwidth.observe(job.target, sample.nbytes, sample.seconds,
+                                       paced_by=paced_by)
         if job.choice is not None:
             self.starter.selector.observe_ratio(job.choice.codec, job.choice.payload_bytes,
                                         handoff.sent_bytes)

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlxcel_plugin.transfer.pacing import LINK
+
 Clock = Callable[[], float]
 
 
@@ -14,7 +16,7 @@ class _PeerEstimate:
     bytes_per_s: float
     samples: int
     updated_at: float
-    receiver_paced: bool = False  # the newest sample: the receiver, not the link, set its pace
+    paced_by: str = LINK  # who set the newest sample's pace (transfer/pacing.py)
 
 
 class BandwidthEstimator:
@@ -27,11 +29,10 @@ class BandwidthEstimator:
     changed (a rate cut, a congested path), and averaging would take a dozen
     mis-planned handoffs to notice.
 
-    A ``receiver_paced`` sample (the decode node's readers were busy for most of it:
-    ``link/read_load.py``) says only that the link is at least that fast: it raises an
-    estimate below it and never lowers one, and marks the peer receiver-paced until a
-    sample the link paced comes, which then replaces the estimate (a bound is not a
-    measurement to average with).
+    A sample the sender or the receiver paced, not the link (``transfer/pacing.py``), says
+    only that the link is at least that fast: it raises an estimate below it and never
+    lowers one, and marks the peer as paced so until a sample the link paced comes, which
+    then replaces the estimate (a bound is not a measurement to average with).
     """
 
     def __init__(
@@ -50,37 +51,35 @@ class BandwidthEstimator:
         self.clock = clock
         self._peers: dict[str, _PeerEstimate] = {}
 
-    def observe(self, peer: str, nbytes: int, seconds: float, *,
-                receiver_paced: bool = False) -> None:
+    def observe(self, peer: str, nbytes: int, seconds: float, *, paced_by: str = LINK) -> None:
         if nbytes < self.min_sample_bytes or seconds <= 0:
             return
         sample = nbytes / seconds
         now = self.clock()
         current = self._fresh(peer, now)
-        if receiver_paced:
-            self._observe_floor(peer, sample, now, current)
+        if paced_by != LINK:
+            self._observe_floor(peer, sample, now, current, paced_by)
             return
-        if current is None or current.receiver_paced or self._jumped(current.bytes_per_s,
-                                                                       sample):
+        if current is None or current.paced_by != LINK or self._jumped(current.bytes_per_s,
+                                                                         sample):
             self._peers[peer] = _PeerEstimate(sample, 1, now)
             return
         current.bytes_per_s += self.alpha * (sample - current.bytes_per_s)
         current.samples += 1
         current.updated_at = now
-        current.receiver_paced = False
 
     def _observe_floor(self, peer: str, floor: float, now: float,
-                       current: _PeerEstimate | None) -> None:
+                       current: _PeerEstimate | None, paced_by: str) -> None:
         if current is None or current.bytes_per_s < floor:
             samples = 1 if current is None else current.samples + 1
-            self._peers[peer] = _PeerEstimate(floor, samples, now, receiver_paced=True)
+            self._peers[peer] = _PeerEstimate(floor, samples, now, paced_by)
             return
-        current.receiver_paced = True
+        current.paced_by = paced_by
 
-    def receiver_paced(self, peer: str) -> bool:
-        """Whether the newest fresh sample to ``peer`` was paced by the receiver."""
+    def paced_by(self, peer: str) -> str:
+        """Who set the pace of the newest fresh sample to ``peer`` (``LINK`` when none)."""
         current = self._fresh(peer, self.clock())
-        return current is not None and current.receiver_paced
+        return LINK if current is None else current.paced_by
 
     def _jumped(self, estimate: float, sample: float) -> bool:
         return sample > estimate * self.jump_factor or sample * self.jump_factor < estimate
@@ -90,7 +89,7 @@ class BandwidthEstimator:
         current = self._fresh(peer, self.clock())
         return None if current is None else current.bytes_per_s
 
-    def snapshot(self) -> dict[str, dict[str, float | int | bool]]:
+    def snapshot(self) -> dict[str, dict[str, float | int | str]]:
         """Fresh estimates by peer, for stats and logs."""
         now = self.clock()
         return {
@@ -98,7 +97,7 @@ class BandwidthEstimator:
                 "bytes_per_s": est.bytes_per_s,
                 "samples": est.samples,
                 "age_s": now - est.updated_at,
-                "receiver_paced": est.receiver_paced,
+                "paced_by": est.paced_by,
             }
             for peer, est in self._peers.items()
             if now - est.updated_at <= self.stale_after_s

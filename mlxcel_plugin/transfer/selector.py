@@ -21,9 +21,9 @@ Measured over 1 Gbit/s between network namespaces (``loadtests/bench_network.py`
 int8 hands SmolLM2's fp32 KV over in less than half the time of raw bytes,
 which a serial sum of the stages ranked the other way round.
 
-Where the receiver, not the link, set the last handoff's pace (``receiver_paced``:
-the decode node's readers were busy throughout), the wire stage is not what limits,
-and a codec only adds decoding to the side that does: ``auto`` then sends raw bytes.
+Where the sender or the receiver, not the link, set the last handoff's pace
+(``paced_by``, transfer/pacing.py), the wire stage is not what limits, and a codec
+only adds encoding or decoding to the side that does: ``auto`` then sends raw bytes.
 The measured figure is then a floor on the link: one below the prior leaves the prior.
 """
 
@@ -37,6 +37,7 @@ from mlxcel_plugin.errors import PluginError
 from mlxcel_plugin.kv_codecs import KVCodec, UnknownCodec, resolve_codec
 from mlxcel_plugin.transfer.base import StrategyFactory
 from mlxcel_plugin.transfer.config import AUTO, TransferConfig
+from mlxcel_plugin.transfer.pacing import LINK
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class TransferChoice:
     bandwidth_bytes_per_s: float
     bandwidth_source: str  # "measured" or "prior"
     estimated_s: dict[str, float] = field(default_factory=dict)  # by candidate codec
-    receiver_paced: bool = False  # the bandwidth is a floor the receiver's pace set
+    paced_by: str = LINK  # not "link": the bandwidth is a floor that side's pace set
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,21 +134,21 @@ class AdaptiveSelector:
         *,
         lanes_available: int = 1,
         can_stream: bool = True,
-        receiver_paced: bool = False,
+        paced_by: str = LINK,
     ) -> TransferChoice:
         """Choose for one handoff of ``payload_bytes`` raw K/V bytes.
 
         ``can_stream=False``: the cache is already complete, so the choice is a
-        strategy that sends it whole on one lane. ``receiver_paced``: the bandwidth
-        is only a floor, the receiver's pace (module docstring).
+        strategy that sends it whole on one lane. ``paced_by`` other than ``LINK``: the
+        bandwidth is only a floor, that side's pace (module docstring).
         """
         measured = bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s > 0
         bandwidth = bandwidth_bytes_per_s if measured else self.tuning.prior_bytes_per_s
-        receiver_paced = receiver_paced and measured
-        if receiver_paced and bandwidth < self.tuning.prior_bytes_per_s:
+        paced_by = paced_by if measured else LINK
+        if paced_by != LINK and bandwidth < self.tuning.prior_bytes_per_s:
             bandwidth, measured = self.tuning.prior_bytes_per_s, False  # the link: at least that
         estimates = self._estimates(payload_bytes, bandwidth)
-        codec, codec_reason = self._codec(estimates, receiver_paced)
+        codec, codec_reason = self._codec(estimates, paced_by)
         wire_s = estimates.get(codec, payload_bytes / bandwidth)
         lanes = min(self.config.parallelism, max(1, lanes_available))
         strategy, strategy_reason = self._strategy(payload_bytes, wire_s, lanes, can_stream)
@@ -160,7 +161,7 @@ class AdaptiveSelector:
             bandwidth_bytes_per_s=bandwidth,
             bandwidth_source="measured" if measured else "prior",
             estimated_s=estimates,
-            receiver_paced=receiver_paced,
+            paced_by=paced_by,
         )
 
     def _candidates(self) -> Sequence[KVCodec]:
@@ -185,13 +186,13 @@ class AdaptiveSelector:
             estimates[codec.name] = slowest + (sum(stages) - slowest) / chunks
         return estimates
 
-    def _codec(self, estimates: Mapping[str, float], receiver_paced: bool) -> tuple[str, str]:
+    def _codec(self, estimates: Mapping[str, float], paced_by: str) -> tuple[str, str]:
         if self.config.codec != AUTO:
             return self.config.codec, "codec configured"
         if not estimates:
             return "none", "no auto codec candidates"
-        if receiver_paced:
-            return "none", "codec none: the receiver, not the link, set the last pace"
+        if paced_by != LINK:
+            return "none", f"codec none: the {paced_by}, not the link, set the last pace"
         # Candidates are listed cheapest first; min() keeps the first of equal estimates.
         cheapest = next(iter(estimates))
         best = min(estimates, key=estimates.__getitem__)

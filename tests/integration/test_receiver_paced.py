@@ -1,7 +1,7 @@
 """A decode node kept off its CPU sets a handoff's pace, not the link: its ack says so, and
 the prefill node takes that pace as a floor on the link rather than as a slow link, on
 which ``codec = "auto"`` would compress and add decoding to the starved side
-(docs/bulk-lanes.md#receiver-paced).
+(docs/bulk-lanes.md#who-set-the-pace).
 
 Real nodes on loopback, the fake engine with a 16 KiB-a-token cache, prompts of 1000
 tokens (16 MB): the decode node reads KV at ``--ingest-nice 19`` on one core that a busy
@@ -21,10 +21,10 @@ import pytest
 
 from mlxcel_plugin.engine_api import GenerationRequest
 from mlxcel_plugin.link import generate_secret_file, load_cluster_secret
-from mlxcel_plugin.link.read_load import RECEIVER_PACED_SHARE
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port, start_node
 from mlxcel_plugin.testing.fake_engine import expected_tokens
 from mlxcel_plugin.testing.link_driver import LinkDriver
+from mlxcel_plugin.transfer.pacing import RECEIVER, RECEIVER_PACED_SHARE
 from mlxcel_plugin.transfer.selector import SelectorTuning
 from tests.integration.test_receive_settings import prometheus_value
 
@@ -84,9 +84,9 @@ def test_a_starved_decode_node_paces_its_handoffs_and_the_selector_sends_raw_byt
     for outcome in outcomes:
         assert outcome.tokens == expected_tokens(GenerationRequest("x", PROMPT, 3)), outcome
     (estimate,) = state["bandwidth_bytes_per_s"].values()
-    assert estimate["receiver_paced"] is True, state
+    assert estimate["paced_by"] == RECEIVER, state
     second = state["last_choice"]  # planned on the first handoff's floor
-    assert second["receiver_paced"] is True and second["codec"] == "none", second
+    assert second["paced_by"] == RECEIVER and second["codec"] == "none", second
     assert state["last_reader_busy_share"] >= RECEIVER_PACED_SHARE
     # The decode node's own account of both: its readers busy through them.
     assert prometheus_value(metrics, "mlxcel:kv_ingest_reader_busy_share_count") == 2

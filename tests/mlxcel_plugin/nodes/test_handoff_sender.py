@@ -4,6 +4,7 @@ thread runs the strategy off the event loop."""
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import astuple
 
 import pytest
 
@@ -13,6 +14,7 @@ from mlxcel_plugin.kv_codecs import CodecError
 from mlxcel_plugin.kv_serde import assemble_messages
 from mlxcel_plugin.link import LinkClosed
 from mlxcel_plugin.link.protocol.frames import FrameType
+from mlxcel_plugin.link.tcp_chrono import TcpChrono
 from mlxcel_plugin.nodes import handoff_sender
 from mlxcel_plugin.nodes.handoff_sender import OutgoingHandoff, TargetLost
 from mlxcel_plugin.nodes.kv_wire import frame_to_messages
@@ -38,8 +40,12 @@ class FakeLane:
         self.released = asyncio.Event()
         self.fail, self.room = fail, room  # room: frames it takes before it is full
         self.queued_bytes = 0  # taken, not yet on the socket
+        self.chronos = ()  # its connections' kernel clocks (none: no clock)
         if not stall:
             self.released.set()
+
+    def body_tcp_chronos(self):
+        return self.chronos
 
     def try_send(self, frame):
         if not self.released.is_set() and len(self.frames) >= self.room:
@@ -114,6 +120,7 @@ def test_the_link_is_measured_over_the_faster_of_two_windows():
         handoff = OutgoingHandoff(make_header(fingerprint, 40), strategy, "decode-1")
         handoff.push(strategy.start(handoff.header))
         lane = FakeLane()
+        lane.chronos = (TcpChrono(1.0, 0.0), TcpChrono(5.0, 0.0))  # two connections
 
         async def ready():
             return [lane]
@@ -124,23 +131,29 @@ def test_the_link_is_measured_over_the_faster_of_two_windows():
         await settle()
         during_prefill = handoff.sent_bytes
         lane.queued_bytes = 1000  # of those, still in the link when prefill ends
+        lane.chronos = (TcpChrono(2.0, 0.0), TcpChrono(5.0, 0.0))
         handoff.add_layer(3, cache.layers[3])
         handoff.finish(first_token=7)
         await settle()
         assert 0 < during_prefill == handoff.sent_by_finish_bytes < handoff.sent_bytes
         # Chunks came slowly during prefill: the window after it is the faster one.
+        # Each window carries what its busiest connection did in it (the first, here).
+        lane.chronos = (TcpChrono(2.4, 0.1), TcpChrono(5.1, 0.0))
         handoff.first_chunk_s = handoff.finished_s - 10.0
-        moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
-        assert moved == handoff.sent_bytes - during_prefill + 1000
-        assert seconds == pytest.approx(0.5)
+        after = handoff.link_sample(handoff.finished_s + 0.5)
+        assert after.nbytes == handoff.sent_bytes - during_prefill + 1000
+        assert after.seconds == pytest.approx(0.5)
+        assert astuple(after.chrono) == pytest.approx((0.4, 0.1))
         # The link was the bottleneck from the first chunk on: every byte over that window.
         handoff.first_chunk_s = handoff.finished_s - 0.01
-        moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
-        assert moved == handoff.sent_bytes and seconds == pytest.approx(0.51)
+        whole = handoff.link_sample(handoff.finished_s + 0.5)
+        assert whole.nbytes == handoff.sent_bytes and whole.seconds == pytest.approx(0.51)
+        assert astuple(whole.chrono) == pytest.approx((1.4, 0.1))
         # Cells' rows went ahead at prefill's pace: only the window after prefill counts.
         handoff.chunks_ahead = 3
-        moved, seconds = handoff.link_sample(handoff.finished_s + 0.5)
-        assert moved == handoff.sent_bytes - during_prefill + 1000
+        assert handoff.link_sample(handoff.finished_s + 0.5).nbytes == after.nbytes
+        lane.chronos = (None, TcpChrono(5.1, 0.0))  # a connection without a clock: none
+        assert handoff.link_sample(handoff.finished_s + 0.5).chrono is None
 
     asyncio.run(scenario())
 

@@ -14,6 +14,7 @@ from mlxcel_plugin.transfer import (
     StreamedTransfer,
     TransferConfig,
 )
+from mlxcel_plugin.transfer.pacing import LINK, RECEIVER, SENDER
 
 MB = 1_000_000
 REGISTRY = load_plugins(env={"MLXCEL_PLUGINS": "core"})
@@ -92,20 +93,21 @@ def test_estimator_ignores_latency_bound_samples():
     assert estimator.estimate("d1") is None
 
 
-def test_a_receiver_paced_sample_is_a_floor_on_the_link():
+@pytest.mark.parametrize("side", [RECEIVER, SENDER])
+def test_a_sample_paced_by_either_end_is_a_floor_on_the_link(side):
     estimator = BandwidthEstimator(clock=FakeClock())
-    estimator.observe("d1", 10 * MB, 1.0, receiver_paced=True)  # the first: at least this
-    assert estimator.estimate("d1") == 10 * MB and estimator.receiver_paced("d1")
+    estimator.observe("d1", 10 * MB, 1.0, paced_by=side)  # the first: at least this
+    assert estimator.estimate("d1") == 10 * MB and estimator.paced_by("d1") == side
     estimator.observe("d1", 1000 * MB, 1.0)  # the link set the pace: measured as ever
-    assert estimator.estimate("d1") == 1000 * MB and not estimator.receiver_paced("d1")
-    estimator.observe("d1", 5 * MB, 1.0, receiver_paced=True)  # a starved receiver: no cut
-    assert estimator.estimate("d1") == 1000 * MB and estimator.receiver_paced("d1")
-    estimator.observe("d1", 3000 * MB, 1.0, receiver_paced=True)  # above it: raised
+    assert estimator.estimate("d1") == 1000 * MB and estimator.paced_by("d1") == LINK
+    estimator.observe("d1", 5 * MB, 1.0, paced_by=side)  # a starved end: no cut
+    assert estimator.estimate("d1") == 1000 * MB and estimator.paced_by("d1") == side
+    estimator.observe("d1", 3000 * MB, 1.0, paced_by=side)  # above it: raised
     assert estimator.estimate("d1") == 3000 * MB
-    assert estimator.snapshot()["d1"]["receiver_paced"] is True
+    assert estimator.snapshot()["d1"]["paced_by"] == side
     estimator.observe("d1", 2000 * MB, 1.0)  # the link's pace again: replaces the bound
-    assert estimator.estimate("d1") == 2000 * MB and not estimator.receiver_paced("d1")
-    assert not estimator.receiver_paced("d2")
+    assert estimator.estimate("d1") == 2000 * MB and estimator.paced_by("d1") == LINK
+    assert estimator.paced_by("d2") == LINK
 
 
 def test_estimator_forgets_stale_peers():
@@ -114,7 +116,7 @@ def test_estimator_forgets_stale_peers():
     estimator.observe("d1", 50 * MB, 1.0)
     clock.now += 30
     assert estimator.snapshot() == {"d1": {"bytes_per_s": 50 * MB, "samples": 1, "age_s": 30.0,
-                                            "receiver_paced": False}}
+                                            "paced_by": LINK}}
     clock.now += 31
     assert estimator.estimate("d1") is None and estimator.snapshot() == {}
     estimator.observe("d1", 10 * MB, 1.0)  # a fresh start, not blended with the stale value
@@ -164,23 +166,24 @@ def test_fast_link_sends_raw_and_slow_link_compresses():
 def test_a_receiver_paced_estimate_sends_raw_bytes_where_the_link_alone_would_compress():
     low_prior = AdaptiveSelector(TransferConfig(), STRATEGIES, CODECS,
                                  SelectorTuning(prior_bytes_per_s=1 * MB))
-    paced = low_prior.select(200 * MB, 10 * MB, receiver_paced=True)  # a floor above the prior
-    assert paced.codec == "none" and paced.receiver_paced
+    paced = low_prior.select(200 * MB, 10 * MB, paced_by=RECEIVER)  # a floor above the prior
+    assert paced.codec == "none" and paced.paced_by == RECEIVER
     assert paced.bandwidth_bytes_per_s == 10 * MB and paced.bandwidth_source == "measured"
     assert "receiver" in paced.reason
     assert paced.estimated_s["shuffle+lz4"] < paced.estimated_s["none"]  # what it set aside
     assert low_prior.select(200 * MB, 10 * MB).codec == "shuffle+lz4"  # read as the link's
-    unmeasured = selector().select(200 * MB, None, receiver_paced=True)  # nothing measured
-    assert not unmeasured.receiver_paced
-    configured = selector(codec="lz4").select(200 * MB, 10 * MB, receiver_paced=True)
+    unmeasured = selector().select(200 * MB, None, paced_by=RECEIVER)  # nothing measured
+    assert unmeasured.paced_by == LINK
+    configured = selector(codec="lz4").select(200 * MB, 10 * MB, paced_by=RECEIVER)
     assert configured.codec == "lz4"
 
 
-def test_a_receiver_paced_floor_below_the_prior_leaves_the_prior():
-    paced = selector().select(200 * MB, 10 * MB, receiver_paced=True)
+@pytest.mark.parametrize("side", [RECEIVER, SENDER])
+def test_a_floor_below_the_prior_leaves_the_prior(side):
+    paced = selector().select(200 * MB, 10 * MB, paced_by=side)
     prior = SelectorTuning().prior_bytes_per_s
     assert (paced.bandwidth_bytes_per_s, paced.bandwidth_source) == (prior, "prior")
-    assert paced.receiver_paced and paced.codec == "none"
+    assert paced.paced_by == side and paced.codec == "none" and side in paced.reason
 
 
 def test_lossy_codecs_only_when_allowed():
@@ -233,7 +236,7 @@ def test_choice_is_deterministic_and_loggable():
         "bandwidth_bytes_per_s",
         "bandwidth_source",
         "estimated_s",
-        "receiver_paced",
+        "paced_by",
     }
     assert logged["bandwidth_source"] == "measured"
 
