@@ -21,7 +21,8 @@ Per rate, prompt length and configuration (medians over the repeats):
   each process's CPU time (``/proc/PID/stat``, sampled every 5 ms) over the
   handoff window, per GiB of raw KV; against a raw TCP transfer of the same
   bytes between the same namespaces (``sendall`` / ``recv_into``).
-* chosen: what the prefill node's selector picked (``/health`` last_choice).
+* chosen: what the prefill node's selector picked (``/health`` last_choice), and who
+  set the pace it planned with (``paced_by``: only ``link`` is a measurement).
 
 ``--quick`` checks the mechanics in under a minute: the tiny checkpoint,
 1 Gbit/s, 1024-token prompts, four configurations, one repeat. The README's
@@ -199,8 +200,9 @@ class Case:
         return sum(s.cpu_s[side] for s in self.samples) / kv
 
     def chosen(self) -> str:
+        """The last choice, and who set the pace of the handoff before it (its bandwidth's)."""
         last = self.samples[-1].choice
-        return f"{last['strategy']}/{last['codec']}"
+        return f"{last['strategy']}/{last['codec']} ({last.get('paced_by', 'link')})"
 
     def seen_mb_s(self) -> float | None:
         """The bandwidth the selector planned the last handoff with (measured or its prior)."""
