@@ -79,14 +79,16 @@ from mlxcel_plugin.kv_codecs.base import (
 from mlxcel_plugin.kv_codecs.floats import finite_max, from_float32, round_down, to_float32
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups, TokenSpan
 from mlxcel_plugin.kv_codecs.quant_blocks import (
+    Block,
     BlockCursor,
     PieceRows,
     block_starts,
     blocks,
     column_extent,
     cut_at,
+    spanning_rows,
 )
-from mlxcel_plugin.kv_codecs.quant_decode import decode_block_into, needs_clip
+from mlxcel_plugin.kv_codecs.quant_decode import decode_block_into, decode_spread_into, needs_clip
 from mlxcel_plugin.kv_codecs.quant_encode import (
     SCALE,
     SCALE_BF16,
@@ -291,6 +293,11 @@ class GroupQuantCodec:
         self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
+        spanned = spanning_rows(pieces) if len(pieces) > 1 else None
+        if spanned is not None and decode_spread_into(
+                *spanned, Block(0, rows, fmt, exact, groups), codes, (scales, minimums),
+                exact_values, fmt.rotation, clip, dtype):
+            return True
         out = PieceRows(pieces)
         # The compiled decoder keeps each row in L1 whatever the block: one per piece.
         blocked = [0] if quant_kernel.available() else block_starts(fmt, rows, head_dim)

@@ -74,6 +74,30 @@ class PieceRows:
         return self.pieces[index][start - first : stop - first]
 
 
+def spanning_rows(pieces: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The pieces as rows of one ``[n, width]`` view that starts at the first piece's first
+    row, and where each of their rows lies in it; None where a piece is not C-contiguous
+    rows of the first one's kind at a whole-row offset after it. The view may cover rows
+    of no piece (a buffer with room: the other tokens' rows between heads): only the
+    returned rows may be written."""
+    first = pieces[0]
+    if first.ndim != 2:
+        return None
+    row_bytes, at = first.shape[1] * first.itemsize, []
+    for piece in pieces:
+        same_kind = piece.ndim == 2 and piece.shape[1:] == first.shape[1:]
+        if not (same_kind and piece.dtype == first.dtype and piece.flags.c_contiguous):
+            return None
+        offset, rem = divmod(piece.ctypes.data - first.ctypes.data, row_bytes)
+        if rem or offset < 0:
+            return None
+        at.append(np.arange(offset, offset + len(piece), dtype=np.int64))
+    rows = np.concatenate(at)
+    span = np.lib.stride_tricks.as_strided(first, (int(rows.max(initial=-1)) + 1,
+                                                   first.shape[1]), (row_bytes, first.itemsize))
+    return span, rows
+
+
 @dataclasses.dataclass(frozen=True)
 class Block:
     """Rows ``[start, stop)`` of a chunk seen as a chunk of their own."""

@@ -95,3 +95,31 @@ def decode_block_into(
         return
     values = dequantize(codes, block.groups, scales, minimums, target.shape[1])
     place_rows(target, block.exact, exact_values, restore(values, rotation, clip, dtype))
+
+
+def decode_spread_into(
+    span: np.ndarray,
+    at: np.ndarray,
+    block: Block,
+    codes: np.ndarray,
+    steps: tuple[np.ndarray, np.ndarray | None],
+    exact_values: np.ndarray,
+    rotation: int,
+    clip: bool,
+    dtype: str,
+) -> bool:
+    """A whole chunk (``block``) into rows ``at`` of ``span`` (``spanning_rows``: the pieces
+    of a buffer with room seen as one) in one call of the compiled decoder, not one per
+    head: the same arithmetic, row by row, without each call's fixed NumPy work. False
+    (nothing written) where the decoder is not built or does not take it."""
+    scales, minimums = steps
+    if span.dtype.itemsize == 2:
+        span, exact_values = span.view("<u2"), exact_values.view("<u2")
+    decoded = at if block.exact is None else at[~block.exact]
+    limit = finite_max(dtype) if clip else float("inf")
+    if not quant_kernel.decode_block(codes, codes.dtype.kind == "i", block.groups, scales,
+                                     minimums, rotation, limit, span, decoded, dtype):
+        return False
+    if block.exact is not None:  # only the piece rows ``at`` names: the span has others
+        span[at[block.exact]] = exact_values.reshape(-1, span.shape[1])
+    return True

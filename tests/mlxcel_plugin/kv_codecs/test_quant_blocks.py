@@ -9,10 +9,12 @@ from mlxcel_plugin.kv_codecs import (
     ChunkLayout,
     GroupQuantCodec,
     from_float32,
+    quant,
     quant_blocks,
+    quant_kernel,
     to_float32,
 )
-from mlxcel_plugin.kv_codecs.quant_blocks import block_starts
+from mlxcel_plugin.kv_codecs.quant_blocks import block_starts, spanning_rows
 
 HEAD_DIM = 64
 LAYOUTS = {  # (tensor, tokens per head, token of row 0, rows): whole heads, mid-head starts
@@ -121,12 +123,15 @@ def head_pieces(buffer: np.ndarray, tokens: int, first: int, rows: int) -> list[
     return pieces
 
 
+@pytest.mark.parametrize("one_call", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "k-tail"])  # over several heads
-def test_decoding_into_per_head_pieces_writes_the_bytes_a_contiguous_decode_does(name, bits):
-    """A receive buffer with room takes a chunk's rows head by head: each block is decoded
-    into its own head's piece (cut at head boundaries), the bytes a contiguous decode gives;
-    the room past each head's tokens is never written."""
+def test_decoding_into_per_head_pieces_writes_the_bytes_a_contiguous_decode_does(
+        name, bits, one_call, monkeypatch):
+    """A receive buffer with room takes a chunk's rows head by head: the compiled decoder
+    takes the whole chunk in one call (the pieces as rows of one span), else each block is
+    decoded into its own head's piece (cut at head boundaries); either way the bytes a
+    contiguous decode gives, and the room past each head's tokens is never written."""
     tensor, tokens, first, rows = LAYOUTS[name]
     codec = GroupQuantCodec(bits)
     array = loud_rows(rows, "bfloat16", seed=bits)
@@ -136,9 +141,31 @@ def test_decoding_into_per_head_pieces_writes_the_bytes_a_contiguous_decode_does
     buffer = np.full((heads, tokens + 256, HEAD_DIM), 0xABCD, dtype=want.dtype)
     pieces = head_pieces(buffer, tokens, first, rows)
     assert len(pieces) > 1
+    if not one_call:
+        monkeypatch.setattr(quant, "spanning_rows", lambda pieces: None)
+    calls = []
+    decode_block = quant_kernel.decode_block
+    monkeypatch.setattr(quant_kernel, "decode_block", lambda *a: calls.append(1) or
+                        decode_block(*a))
     assert codec.decode_into_pieces(body, meta, pieces, "bfloat16")
     assert np.concatenate(pieces).tobytes() == want.tobytes()
     assert (buffer[:, tokens:] == 0xABCD).all()
+    if quant_kernel.available():
+        assert len(calls) == (1 if one_call else len(pieces))
+
+
+def test_pieces_span_one_view_only_at_whole_rows_after_the_first():
+    buffer = np.zeros((3, 10, 4), dtype=np.float32)
+    span, at = spanning_rows([buffer[0, 7:], buffer[1, :2], buffer[2, 5:6]])
+    assert at.tolist() == [0, 1, 2, 3, 4, 18]  # rows from the first piece's first
+    assert span.shape == (19, 4) and span.ctypes.data == buffer.ctypes.data + 7 * 16
+    span[at] = 1.0  # only the pieces' rows
+    assert buffer[0, 7:].all() and buffer[1, :2].all() and buffer[2, 5].all()
+    assert buffer.sum() == 6 * 4
+    assert spanning_rows([buffer[1, :2], buffer[0, 7:]]) is None  # before the first
+    assert spanning_rows([buffer[0, :2], buffer[1, :2, :2]]) is None  # another width
+    assert spanning_rows([buffer[0, :2], buffer[1, :2].astype(np.float64)]) is None
+    assert spanning_rows([buffer[0, :2], buffer[1:3, 0]]) is None  # not contiguous rows
 
 
 @pytest.mark.parametrize("seed", range(4))
