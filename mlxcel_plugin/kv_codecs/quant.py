@@ -88,7 +88,7 @@ from mlxcel_plugin.kv_codecs.quant_blocks import (
     cut_at,
     spanning_rows,
 )
-from mlxcel_plugin.kv_codecs.quant_decode import decode_block_into, decode_spread_into, needs_clip
+from mlxcel_plugin.kv_codecs.quant_decode import decode_block_into, needs_clip
 from mlxcel_plugin.kv_codecs.quant_encode import (
     SCALE,
     SCALE_BF16,
@@ -294,9 +294,9 @@ class GroupQuantCodec:
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
         spanned = spanning_rows(pieces) if len(pieces) > 1 else None
-        if spanned is not None and decode_spread_into(
-                *spanned, Block(0, rows, fmt, exact, groups), codes, (scales, minimums),
-                exact_values, fmt.rotation, clip, dtype):
+        if spanned is not None and decode_block_into(
+                spanned[0], Block(0, rows, fmt, exact, groups), codes, (scales, minimums),
+                exact_values, fmt.rotation, clip, dtype, at=spanned[1]):
             return True
         out = PieceRows(pieces)
         # The compiled decoder keeps each row in L1 whatever the block: one per piece.

@@ -173,16 +173,6 @@ def place_rows(
         used[kind] += end - begin
 
 
-def place_exact_rows(out: np.ndarray, exact: np.ndarray, exact_values: np.ndarray) -> None:
-    """Only the exact rows of one block into ``out`` (the compiled decoder wrote the rest)."""
-    exact_values = exact_values.reshape(-1, out.shape[1])
-    used = 0
-    for begin, end in _runs(exact):
-        if exact[begin]:
-            out[begin:end] = exact_values[used : used + end - begin]
-            used += end - begin
-
-
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """``[begin, end)`` of each run of equal values of ``mask``."""
     edges = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), mask.size]

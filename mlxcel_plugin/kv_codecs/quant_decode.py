@@ -18,7 +18,7 @@ import numpy as np
 from mlxcel_plugin.kv_codecs import quant_kernel
 from mlxcel_plugin.kv_codecs.floats import finite_max, rounded_for_storage
 from mlxcel_plugin.kv_codecs.groups import DimGroups, TokenGroups
-from mlxcel_plugin.kv_codecs.quant_blocks import Block, place_exact_rows, place_rows
+from mlxcel_plugin.kv_codecs.quant_blocks import Block, place_rows
 from mlxcel_plugin.kv_codecs.rotation import rotate
 from mlxcel_plugin.kv_codecs.scratch import scratch
 
@@ -79,47 +79,29 @@ def decode_block_into(
     rotation: int,
     clip: bool,
     dtype: str,
-) -> None:
-    """One block's rows into ``target`` (its rows of the receiver's buffer, storage dtype):
-    exact rows as they came, the others decoded (``steps``: the block's float32 scales and
-    minimums or None)."""
+    at: np.ndarray | None = None,
+) -> bool:
+    """One block's rows into ``target`` (the receiver's buffer, storage dtype): exact rows as
+    they came, the others decoded (``steps``: the block's float32 scales and minimums or
+    None). Row for row where ``at`` is None. ``at``: the rows of ``target`` they go to, where
+    ``target`` is the pieces of a buffer with room seen as one span (``spanning_rows``):
+    a whole chunk in one call of the compiled decoder instead of one per head (the same
+    arithmetic without each call's fixed NumPy work); only that decoder takes these, so
+    False (nothing written) where it is not built or does not take the block."""
     scales, minimums = steps
     if target.dtype.itemsize == 2:  # the storage's bits: written and copied as bits
         target, exact_values = target.view("<u2"), exact_values.view("<u2")
-    quantized = None if block.exact is None else np.flatnonzero(~block.exact)
+    rows = np.arange(block.rows) if at is None else at
+    decoded = None if block.exact is None and at is None else (
+        rows if block.exact is None else rows[~block.exact])
     limit = finite_max(dtype) if clip else float("inf")
     if quant_kernel.decode_block(codes, codes.dtype.kind == "i", block.groups, scales,
-                                 minimums, rotation, limit, target, quantized, dtype):
-        if block.exact is not None:
-            place_exact_rows(target, block.exact, exact_values)
-        return
+                                 minimums, rotation, limit, target, decoded, dtype):
+        if block.exact is not None:  # only the rows named: a span has others
+            target[rows[block.exact]] = exact_values.reshape(-1, target.shape[1])
+        return True
+    if at is not None:
+        return False
     values = dequantize(codes, block.groups, scales, minimums, target.shape[1])
     place_rows(target, block.exact, exact_values, restore(values, rotation, clip, dtype))
-
-
-def decode_spread_into(
-    span: np.ndarray,
-    at: np.ndarray,
-    block: Block,
-    codes: np.ndarray,
-    steps: tuple[np.ndarray, np.ndarray | None],
-    exact_values: np.ndarray,
-    rotation: int,
-    clip: bool,
-    dtype: str,
-) -> bool:
-    """A whole chunk (``block``) into rows ``at`` of ``span`` (``spanning_rows``: the pieces
-    of a buffer with room seen as one) in one call of the compiled decoder, not one per
-    head: the same arithmetic, row by row, without each call's fixed NumPy work. False
-    (nothing written) where the decoder is not built or does not take it."""
-    scales, minimums = steps
-    if span.dtype.itemsize == 2:
-        span, exact_values = span.view("<u2"), exact_values.view("<u2")
-    decoded = at if block.exact is None else at[~block.exact]
-    limit = finite_max(dtype) if clip else float("inf")
-    if not quant_kernel.decode_block(codes, codes.dtype.kind == "i", block.groups, scales,
-                                     minimums, rotation, limit, span, decoded, dtype):
-        return False
-    if block.exact is not None:  # only the piece rows ``at`` names: the span has others
-        span[at[block.exact]] = exact_values.reshape(-1, span.shape[1])
     return True
