@@ -36,19 +36,23 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 /* One stage of stride h within 8 lanes: lane i takes x[i] + x[i + h] where bit h of i is
- * clear, x[i - h] - x[i] where it is set: the scalar loop's operands in its order (the same
- * bits), as a shuffle, an add, a subtract and a blend instead of 8 scalar steps. */
-#define STAGE(x, partner, pick) do { \
+ * clear, x[i - h] - x[i] where it is set. As a shuffle, a sign flip of the lanes whose bit
+ * is set (an exact XOR) and one add: x[i] + x[i ^ h], or -x[i] + x[i ^ h], which IEEE
+ * addition gives the same bits as the scalar loop's x[i - h] - x[i]. A blend and a
+ * subtract fewer per stage than adding and subtracting both ways. */
+#define STAGE(x, partner, flips) do { \
     f32x8 other_ = __builtin_shuffle((x), (i32x8)partner); \
-    (x) = __builtin_shuffle((x) + other_, other_ - (x), (i32x8)pick); \
+    (x) = (f32x8)((i32x8)(x) ^ (i32x8)flips) + other_; \
 } while (0)
+
+#define SIGN ((int32_t)0x80000000)
 
 INLINE void butterflies_of_8(float *x) {
     f32x8 v;
     memcpy(&v, x, sizeof v);
-    STAGE(v, ((i32x8){1, 0, 3, 2, 5, 4, 7, 6}), ((i32x8){0, 9, 2, 11, 4, 13, 6, 15}));
-    STAGE(v, ((i32x8){2, 3, 0, 1, 6, 7, 4, 5}), ((i32x8){0, 1, 10, 11, 4, 5, 14, 15}));
-    STAGE(v, ((i32x8){4, 5, 6, 7, 0, 1, 2, 3}), ((i32x8){0, 1, 2, 3, 12, 13, 14, 15}));
+    STAGE(v, ((i32x8){1, 0, 3, 2, 5, 4, 7, 6}), ((i32x8){0, SIGN, 0, SIGN, 0, SIGN, 0, SIGN}));
+    STAGE(v, ((i32x8){2, 3, 0, 1, 6, 7, 4, 5}), ((i32x8){0, 0, SIGN, SIGN, 0, 0, SIGN, SIGN}));
+    STAGE(v, ((i32x8){4, 5, 6, 7, 0, 1, 2, 3}), ((i32x8){0, 0, 0, 0, SIGN, SIGN, SIGN, SIGN}));
     memcpy(x, &v, sizeof v);
 }
 #else
@@ -92,19 +96,32 @@ INLINE uint16_t float16_bits(float value) {
     return sign | (uint16_t)(rebased >> 13);
 }
 
-INLINE void store_row(const float *w, int width, void *out, int64_t row, int mode) {
+/* The row's last steps on each value as it is stored, not as passes of their own over the
+ * row: times the rotation's norm (where rotated), clipped to +-limit (where clipping). The
+ * flags do not change within a row, so the compiler keeps one loop per case. */
+INLINE float finished(float value, int rotated, float norm, int clip, float limit) {
+    if (rotated) value *= norm;
+    if (clip) value = value > limit ? limit : (value < -limit ? -limit : value);
+    return value;
+}
+
+INLINE void store_row(const float *w, int width, void *out, int64_t row, int mode,
+                      int rotated, float norm, int clip, float limit) {
     if (mode == OUT_FLOAT32) {
-        memcpy((float *)out + row * width, w, (size_t)width * 4);
+        float *o = (float *)out + row * width;
+        for (int k = 0; k < width; k++) o[k] = finished(w[k], rotated, norm, clip, limit);
     } else if (mode == OUT_BFLOAT16) { /* nearest, ties away from zero: the NumPy decoder's */
         uint16_t *o = (uint16_t *)out + row * width;
-        for (int k = 0; k < width; k++) { /* read in place: a copy of the row first cost */
-            uint32_t bits;                /* a sixth of the loop (rep movs) */
-            memcpy(&bits, w + k, 4);
+        for (int k = 0; k < width; k++) {
+            float value = finished(w[k], rotated, norm, clip, limit);
+            uint32_t bits;
+            memcpy(&bits, &value, 4);
             o[k] = (uint16_t)((bits + 0x8000u) >> 16);
         }
     } else {
         uint16_t *o = (uint16_t *)out + row * width;
-        for (int k = 0; k < width; k++) o[k] = float16_bits(w[k]);
+        for (int k = 0; k < width; k++)
+            o[k] = float16_bits(finished(w[k], rotated, norm, clip, limit));
     }
 }
 
@@ -143,13 +160,8 @@ WIDEST_VECTORS int decode_rows(const uint8_t *restrict codes, int64_t rows, int 
                 }
             }
         }
-        if (rotation) {
-            hadamard_runs(w, width, rotation);
-            for (int k = 0; k < width; k++) w[k] *= norm;
-        }
-        if (clip)
-            for (int k = 0; k < width; k++) w[k] = w[k] > limit ? limit : (w[k] < -limit ? -limit : w[k]);
-        store_row(w, width, out, dest ? dest[r] : r, mode);
+        if (rotation) hadamard_runs(w, width, rotation);
+        store_row(w, width, out, dest ? dest[r] : r, mode, rotation != 0, norm, clip, limit);
     }
     return 0;
 }
