@@ -199,17 +199,21 @@ def test_prefill_engine_error_ends_with_one_error_event() -> None:
     run(main())
 
 
+COUNT_TO = 180  # 79 tokens for prompt (100,): 1.6 s at 20 ms each, faults land mid-stream
+
+
 def counting(prompt: Sequence[int]) -> list[int]:
-    """Each token one above the one before, up to 399: a prompt ending in ``k`` continues."""
-    return list(range(prompt[-1] + 1, 400))
+    """Each token one above the one before, below COUNT_TO: a prompt ending in ``k``
+    continues."""
+    return list(range(prompt[-1] + 1, COUNT_TO))
 
 
-COUNTED = list(range(101, 400))  # what prompt (100,) gets with no fault
+COUNTED = list(range(101, COUNT_TO))  # what prompt (100,) gets with no fault
 
 
 async def stream_until(stream, count: int) -> list[TokenEvent]:
     got: list[TokenEvent] = []
-    while len(tokens(got)) < count:  # bounded: the stream ends after 299 tokens
+    while len(tokens(got)) < count:  # bounded: the stream ends after len(COUNTED) tokens
         got += await anext(stream)
     return got
 
