@@ -24,10 +24,12 @@ LINK, SENDER, RECEIVER = "link", "sender", "receiver"
 # (10 Gbit/s into one busy core: 0.65-0.86, docs/benchmarks.md#bench_kv_plane) a floor at
 # the link's rate is what the estimate gets, and raw bytes what the selector sends.
 RECEIVER_PACED_SHARE = 0.8
-# The connections had data in flight for less than this share of the window: the link
-# waited for bytes. Over a link slower than the sender they are busy for 0.95-1.0 of it;
-# a 10 Gbit/s link between namespaces, alone or beside four busy processes on two cores,
-# 0.1-0.5 (tests/integration/netns/test_netns_rate_change.py).
+# The busiest connection had data in flight for less than this share of the window: the
+# link waited for bytes. Over a 40 Mbit/s link it is busy for 0.95-1.0 of a handoff's
+# window; over 10 Gbit/s between namespaces, on a quiet machine, 0.72-0.78 for a 16 MB
+# handoff that took 22-32 ms (near the link's own 13 ms: its pace, rightly); a few ms
+# after a streamed prefill, 0-0.66 (jiffies) (tests/integration/netns/
+# test_netns_rate_change.py).
 LINK_BUSY_SHARE = 0.7
 # The peer's receive window held them back for at least this share: the receiver's pace.
 RWND_LIMITED_SHARE = 0.5
