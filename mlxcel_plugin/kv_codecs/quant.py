@@ -293,7 +293,8 @@ class GroupQuantCodec:
         self._check_ranges(scales, minimums, dtype, fmt.asymmetric)
         codes = unpack_codes(packed, quantized, self.bits, fmt.asymmetric)
         clip = needs_clip(scales, minimums, self.bits, fmt.rotation, dtype)
-        spanned = spanning_rows(pieces) if len(pieces) > 1 else None
+        spanned = (spanning_rows(pieces) if len(pieces) > 1 and quant_kernel.available()
+                   else None)  # only the compiled decoder takes a span
         if spanned is not None and decode_block_into(
                 spanned[0], Block(0, rows, fmt, exact, groups), codes, (scales, minimums),
                 exact_values, fmt.rotation, clip, dtype, at=spanned[1]):

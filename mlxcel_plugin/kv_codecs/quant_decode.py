@@ -91,17 +91,25 @@ def decode_block_into(
     scales, minimums = steps
     if target.dtype.itemsize == 2:  # the storage's bits: written and copied as bits
         target, exact_values = target.view("<u2"), exact_values.view("<u2")
-    rows = np.arange(block.rows) if at is None else at
-    decoded = None if block.exact is None and at is None else (
-        rows if block.exact is None else rows[~block.exact])
+    decoded, exact_rows = _rows_of(block.exact, at)
     limit = finite_max(dtype) if clip else float("inf")
     if quant_kernel.decode_block(codes, codes.dtype.kind == "i", block.groups, scales,
                                  minimums, rotation, limit, target, decoded, dtype):
-        if block.exact is not None:  # only the rows named: a span has others
-            target[rows[block.exact]] = exact_values.reshape(-1, target.shape[1])
+        if exact_rows is not None:  # only the rows named: a span has others
+            target[exact_rows] = exact_values.reshape(-1, target.shape[1])
         return True
     if at is not None:
         return False
     values = dequantize(codes, block.groups, scales, minimums, target.shape[1])
     place_rows(target, block.exact, exact_values, restore(values, rotation, clip, dtype))
     return True
+
+
+def _rows_of(exact: np.ndarray | None, at: np.ndarray | None
+             ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(the target rows of the decoded rows, of the exact rows); None: row for row, or none."""
+    if exact is None:
+        return at, None
+    if at is None:
+        return np.flatnonzero(~exact), np.flatnonzero(exact)
+    return at[~exact], at[exact]
