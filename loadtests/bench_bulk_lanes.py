@@ -2,7 +2,7 @@
 record size and sealing mode (pipelined or not), to choose the defaults by measurement.
 
 The receiver is a child process serving one link whose body sink is a warm buffer (the
-KV receiver's case); the sender (this process) sends ``--gib`` GiB as 16 MiB KV_CHUNK
+KV receiver's case); the sender (this process) sends ``--gib`` GiB as KV_CHUNK
 frames (the KV path's frame size) and waits for the receiver's one-frame ack. Reported:
 GiB/s and CPU-s per GiB on each side (each process's own rusage over the transfer). With
 ``--pin`` on >= 2 cores the sender runs on core 0 and the receiver on core 1.
@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlxcel_plugin.link import LinkConfig, dial_link, serve_links  # noqa: E402
 from mlxcel_plugin.link.protocol.frames import Frame, FrameType  # noqa: E402
+from mlxcel_plugin.nodes.kv_wire import FRAME_CHUNK_BYTES  # noqa: E402
 
 SECRET = bytes(range(32))
-FRAME_BYTES = 16 * 1024 * 1024
+FRAME_BYTES = FRAME_CHUNK_BYTES  # what a KV link joins chunks into
 GIB = 1 << 30
 
 
@@ -130,7 +131,7 @@ def main() -> None:
                         default=(os.cpu_count() or 1) >= 2)
     parser.add_argument("--queue", default="default",
                         help="the sender's send_queue_bytes: 'default' (LinkConfig's), "
-                        "'per-lane' (a 16 MiB frame a lane, as KV links) or a size (64m)")
+                        "'per-lane' (a whole KV frame a lane) or a size (64m)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.receive:
@@ -139,8 +140,8 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(0, {0})
     total = int(args.gib * GIB) // FRAME_BYTES * FRAME_BYTES
-    print(f"bulk lanes: {total / GIB:.2f} GiB in 16 MiB frames, {os.cpu_count()} cores, "
-          f"pinned {args.pin}, load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"bulk lanes: {total / GIB:.2f} GiB in {FRAME_BYTES >> 20} MiB frames, "
+          f"{os.cpu_count()} cores, pinned {args.pin}, load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for record in (parse_bytes(r) for r in args.records.split(",")):
         for lanes in (int(n) for n in args.lanes.split(",")):

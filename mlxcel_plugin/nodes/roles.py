@@ -109,7 +109,7 @@ def kv_link_config(bulk_lanes: int = 0) -> LinkConfig:
     """Links a prefill node dials to decode nodes to hand KV caches over: bodies spread
     over parallel bulk lanes (``--bulk-lanes`` / ``MLXCEL_BULK_LANES``, else one per core
     up to 4)."""
-    # The send queue stays at its default (32 MiB: one full 16 MiB KV frame at a time), so
+    # The send queue stays at its default (32 MiB: one full KV frame at a time), so
     # lanes overlap consecutive bodies (the next one sealed and sent on another lane while
     # the last drains and is read) rather than carry several at once: with room for a frame
     # per lane, 8k-token handoffs got slower here (the decode node's receive is the limit).

@@ -68,6 +68,7 @@ class _Direction:
         _check_key(key, iv_prefix)
         self._key = bytes(key)
         self._aead = AESGCM(key)
+        self._algorithm = algorithms.AES(self._key)  # built once: it checks the key each time
         self._iv_prefix = bytes(iv_prefix)
         self._label = bytes(label)
         self.max_record_bytes = max_record_bytes
@@ -85,7 +86,7 @@ class _Direction:
 
     def _cipher(self, nonce: bytes) -> Cipher:
         """The same AES-256-GCM record as ``_aead``, processed in pieces (gather / scatter)."""
-        return Cipher(algorithms.AES(self._key), modes.GCM(nonce))
+        return Cipher(self._algorithm, modes.GCM(nonce))
 
 
 class RecordSender(_Direction):
