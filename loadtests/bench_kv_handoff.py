@@ -20,7 +20,7 @@ KV layer adds to each.
 Paths (sender = this process, receiver = one spawned process for all of them):
 
 * raw TCP: ``sendall`` of the cache's bytes, receiver ``recv_into`` a reused buffer
-* link bytes: the same bytes in KV_CHUNK frames of whole tensors up to 64 MiB
+* link bytes: the same bytes in KV_CHUNK frames of whole tensors up to 16 MiB
   (as the KV path frames them), no KV serde, decrypted into one reused buffer
   (separates the link's cost from the KV layer's)
 * full / streamed / layer-parallel xN: the whole KV path above

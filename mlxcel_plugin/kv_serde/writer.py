@@ -194,7 +194,8 @@ class KVWriter:
         """Chunks of ``rows`` (``[n, width]``, from layer row ``first_row``) into ``out``;
         ``counted(row, bytes)`` gets what each chunk's checksum covers."""
         tensor = spec.name
-        step = max(1, self.chunk_bytes // spec.row_bytes)
+        step = _whole_heads(max(1, self.chunk_bytes // spec.row_bytes), descriptor.tokens,
+                            first_row)
         for at in range(0, rows.shape[0], step):
             part, row = rows[at : at + step], first_row + at
             layout = ChunkLayout(tensor, descriptor.tokens, row)
@@ -251,6 +252,19 @@ def _check_arrays(index: int, specs, array_of: Callable[[str], np.ndarray | None
             got = "none" if array is None else f"{array.shape}/{array.dtype}"
             raise FingerprintMismatch(f"layer {index} {spec.name} {what} {got} does not match "
                                       f"{want}")
+
+
+def _whole_heads(step: int, tokens: int, first_row: int) -> int:
+    """``step`` rows, fewer where that ends every chunk on a head's last row.
+
+    Why: a decode node lands each head's rows in a piece of its own (its buffer has
+    decode room after each head), and a bulk record that spans two pieces is opened
+    in parts, which costs more than one record into one piece; chunks of whole heads
+    keep each record inside one head wherever a head is a whole number of records.
+    """
+    if tokens <= 0 or step < tokens or first_row % tokens:
+        return step
+    return step - step % tokens
 
 
 def row_runs(array: np.ndarray, width: int, tokens: int) -> list[tuple[int, np.ndarray]]:

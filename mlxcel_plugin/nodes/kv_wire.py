@@ -3,12 +3,13 @@
 A KV_CHUNK frame carries one chunk (its header is the chunk's header) or
 several: ``{"handoff_id", "epoch", "chunks": [chunk header, ...]}`` with the
 bodies back to back (a ``BodyParts`` when sent). Why several: each frame costs
-both ends a link round of bookkeeping, and a 64 MiB cache of SmolLM2's shape is
-60 tensors of ~1 MiB. ``frames_for`` joins consecutive chunks for the same lane
-up to ``FRAME_CHUNK_BYTES``; it never waits for more. 64 MiB, not 16: a 2k-token
-handoff of an 8B model's shape then takes 4 frames instead of 16, and the decode
-node's event loop 16-18 ms of CPU for it instead of 25-26 (bench_kv_plane,
-per-thread CPU); the send queue carries one such frame at a time either way.
+both ends a link round of bookkeeping (~0.5 ms of the decode node's event loop
+for a 16 MiB frame of an 8B model's shape), and a 64 MiB cache of SmolLM2's shape
+is 60 tensors of ~1 MiB. ``frames_for`` joins consecutive chunks for the same
+lane up to ``FRAME_CHUNK_BYTES``; it never waits for more. Not larger yet: an
+8k-token handoff's first frame lands in a fresh buffer and is copied into its
+rows on the event loop (docs/bulk-lanes.md#bodies-on-lanes), so a larger first
+frame would lengthen that copy.
 
 ``KV_END`` frames also carry ``first_token``: a streamed handoff sends its
 begin before prefill has sampled the first token, so the token the decode
@@ -35,7 +36,7 @@ TYPE_TO_KIND = {frame_type: kind for kind, frame_type in KIND_TO_TYPE.items()}
 KV_TYPES = frozenset(KIND_TO_TYPE.values())
 FIRST_TOKEN_KEY = "first_token"
 CHUNKS_KEY = "chunks"
-FRAME_CHUNK_BYTES = 64 * 1024 * 1024  # chunk bodies joined into one frame, at most
+FRAME_CHUNK_BYTES = 16 * 1024 * 1024  # chunk bodies joined into one frame, at most
 FRAME_MAX_CHUNKS = 64  # keeps a joined frame's header small
 _RECEIVE_MAX_CHUNKS = 1024  # what a receiver accepts in one frame
 
