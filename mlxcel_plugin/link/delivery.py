@@ -4,8 +4,9 @@ Items come in announcement order: frames, bulk bodies still to be read
 (``BulkBody``) and bodies being read (futures of their frames). A frame goes to
 the handler once everything before it has. A body's read, and so its body
 sink's choice of buffer, starts once no unhandled frame precedes it: a frame
-that sets up a body (a KV begin) is always handled before the body is placed,
-while bodies behind bodies are read back to back.
+that sets up a body (a KV begin, whose own body never goes on a lane:
+``LinkWriter._on_bulk``) is always handled before the body is placed, while
+bodies behind bodies are read back to back.
 """
 
 from __future__ import annotations

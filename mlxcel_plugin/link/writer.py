@@ -152,8 +152,13 @@ class LinkWriter:
 
     def _on_bulk(self, frame: Frame) -> bool:
         """Big bodies, and every KV chunk's, go on the bulk channel (unmasked, sealed in its
-        thread, placed where the receiver wants them) where there is one."""
-        if self._bulk is None or not len(frame.body):
+        thread, placed where the receiver wants them) where there is one.
+
+        A KV begin's never does: the receiver places each chunk's body in the buffers the
+        begin sets up, and a begin whose body (the prompt's tokens: 32 KiB at 8k tokens)
+        were still being read off a lane would leave the first chunks without a place.
+        """
+        if self._bulk is None or not len(frame.body) or frame.type is FrameType.KV_BEGIN:
             return False
         return frame.type is FrameType.KV_CHUNK or len(frame.body) >= self._bulk_threshold_bytes
 

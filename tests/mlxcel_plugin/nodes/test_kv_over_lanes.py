@@ -67,7 +67,7 @@ def handoff_messages(strategy: str, codec: str, lanes: int):
 
 
 async def receive_over_links(messages, codecs, lanes: int, cut_lane_after: int | None = None,
-                             fingerprint=FP, **receiver_args):
+                             fingerprint=FP, config=CONFIG, **receiver_args):
     """Send ``messages`` over ``lanes`` links to a HandoffReceiver; its outcome and frames.
     ``receiver_args``: an engine's ``adopt`` and ``make_buffers``, as a decode node passes."""
     receiver = HandoffReceiver(fingerprint, codecs, admit=lambda header: None, **receiver_args)
@@ -89,9 +89,9 @@ async def receive_over_links(messages, codecs, lanes: int, cut_lane_after: int |
             outcome.set_result(refused[0] if refused else None)
 
     server = await serve_links("127.0.0.1:0", SECRET, "decode", "d1", {"prefill"}, on_link,
-                               config=CONFIG)
+                               config=config)
     async with server:
-        links = [await dial_link(server.address, SECRET, "prefill", "p1", config=CONFIG)
+        links = [await dial_link(server.address, SECRET, "prefill", "p1", config=config)
                  for _ in range(lanes)]
         for count, (lane, frame) in enumerate(frames_for(messages)):
             if cut_lane_after is not None and count == cut_lane_after:
@@ -131,6 +131,22 @@ def test_the_same_cache_bytes_arrive_over_several_lanes(strategy, codec):
     if codec != "none":  # decoded where the bodies landed, never on the event loop
         assert spy.threads and all(t.startswith(BULK_IN_THREAD) for t in spy.threads)
     assert receiver.allocated_bytes == 0 and not receiver.ingests
+
+
+def test_a_begin_as_big_as_a_bulk_body_is_handled_before_the_first_chunk_is_placed():
+    """The begin's body (the prompt's tokens: 2.8 KB here, 32 KB at 8k tokens on a KV link)
+    is over the bulk threshold, yet the decode side knows the handoff before the first
+    chunk's body arrives, so that chunk lands in its rows like every other."""
+    cache, messages = handoff_messages("full", "none", 1)
+    begin = next(m for m in messages if m.kind == "begin")
+    config = LinkConfig(ping_interval_s=None, ping_timeout_s=None,
+                        bulk_threshold_bytes=len(begin.body) // 2)
+    outcome, _, seen = asyncio.run(receive_over_links(messages, builtin_codecs(), 1,
+                                                      config=config))
+    assert isinstance(outcome, Completed), outcome
+    assert cache_bytes(outcome.state.cache) == cache_bytes(cache)
+    chunk_frames = [f for f in seen if f.type is FrameType.KV_CHUNK]
+    assert chunk_frames and all(type(f.body).__name__ == "BodyParts" for f in chunk_frames)
 
 
 def test_a_lane_dying_mid_handoff_fails_it_and_frees_its_buffers():
