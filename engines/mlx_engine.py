@@ -62,6 +62,7 @@ from mlxcel_plugin.engine_api import (
     TokenEvent,
 )
 from mlxcel_plugin.errors import AtCapacityError, EngineError, MlxcelError
+from mlxcel_plugin.libc import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class MlxEngine:
     # -- engine thread: main loop --------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
         self._engine_stream = mx.default_stream(mx.cpu)  # adopted layers are evaluated here
         try:
             self._serve()

@@ -55,11 +55,14 @@ def proc_minor_faults(pid: int) -> int:
 
 @dataclass
 class CpuSampler:
-    """CPU seconds of some processes every ``period_s``, timestamped (perf_counter)."""
+    """CPU seconds of some processes every ``period_s``, timestamped (perf_counter); with
+    ``threads_of``, also that process's CPU by thread role (``ThreadCpu``)."""
 
     pids: list[int]
     period_s: float = 0.005
+    threads_of: int | None = None
     samples: list[tuple[float, list[float]]] = field(default_factory=list)
+    thread_samples: list[dict[str, float]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> CpuSampler:
@@ -72,16 +75,99 @@ class CpuSampler:
         self._thread.join()
 
     def _run(self) -> None:
+        threads = ThreadCpu(self.threads_of) if self.threads_of is not None else None
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), [proc_cpu_s(pid) for pid in self.pids]))
+            sample = (time.perf_counter(), [proc_cpu_s(pid) for pid in self.pids])
+            if threads is not None:  # first: a reader indexes both lists by ``samples``
+                self.thread_samples.append(threads.by_role())
+            self.samples.append(sample)
             self._stop.wait(self.period_s)
+        if threads is not None:
+            threads.close()
 
     def between(self, start_s: float, end_s: float) -> list[float]:
         """CPU seconds of each process from ``start_s`` to ``end_s`` (nearest samples)."""
-        def at(when: float) -> list[float]:
-            return min(self.samples, key=lambda sample: abs(sample[0] - when))[1]
+        a, b = self._nearest(start_s), self._nearest(end_s)
+        return [after - before for before, after in zip(self.samples[a][1], self.samples[b][1],
+                                                        strict=True)]
 
-        return [b - a for a, b in zip(at(start_s), at(end_s), strict=True)]
+    def threads_between(self, start_s: float, end_s: float) -> dict[str, float]:
+        """``threads_of``'s CPU seconds by thread role from ``start_s`` to ``end_s``."""
+        a, b = self._nearest(start_s), self._nearest(end_s)
+        before, after = self.thread_samples[a], self.thread_samples[b]
+        return {role: after[role] - before.get(role, 0.0) for role in after}
+
+    def _nearest(self, when: float) -> int:
+        return min(range(len(self.samples)), key=lambda i: abs(self.samples[i][0] - when))
+
+
+def _schedstat_s(handle: Any) -> float | None:
+    """A thread's CPU seconds from its open ``schedstat`` (None once the thread is gone)."""
+    try:
+        handle.seek(0)
+        return int(handle.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ThreadCpu:
+    """One process's CPU seconds so far by thread role, from each thread's ``schedstat``
+    (nanoseconds on CPU): ``loop`` (the main thread), ``lanes`` (bulk readers), ``engine``,
+    ``other`` (MLX's own threads and the rest). Roles come from the names nodes give their
+    threads (``mlxcel_plugin.libc.name_os_thread``); a thread that ended keeps its total.
+    Files stay open and are re-read in place, so a sample costs a few µs a thread."""
+
+    ROLES = {"bulk-in": "lanes", "mlx-engine": "engine"}
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._files: dict[str, tuple[str, Any]] = {}  # tid -> (role, open schedstat)
+        self._last: dict[str, float] = {}  # tid -> its CPU seconds at the last sample
+        self._ended: dict[str, float] = {}  # role -> CPU seconds of its threads that are gone
+        self._unnamed: dict[str, int] = {}  # tid -> looks left for a name it gives itself
+
+    def by_role(self) -> dict[str, float]:
+        for tid in self._tids():
+            if tid not in self._files or tid in self._unnamed:
+                self._open(tid)
+        totals = dict(self._ended)
+        for tid, (role, handle) in list(self._files.items()):
+            seconds = _schedstat_s(handle)
+            if seconds is None:  # the thread ended: its last figure stays in its role's total
+                handle.close()
+                del self._files[tid]
+                seconds = self._last.pop(tid, 0.0)
+                self._ended[role] = self._ended.get(role, 0.0) + seconds
+            else:
+                self._last[tid] = seconds
+            totals[role] = totals.get(role, 0.0) + seconds
+        return totals
+
+    def _tids(self) -> list[str]:
+        try:
+            return os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return []
+
+    def _open(self, tid: str) -> None:
+        """Open a new thread's schedstat; look again at a thread still unnamed (a node's
+        thread names itself as it starts, maybe after its first sample)."""
+        try:
+            comm = Path(f"/proc/{self.pid}/task/{tid}/comm").read_text().strip()
+            handle = self._files[tid][1] if tid in self._files else open(  # noqa: SIM115
+                f"/proc/{self.pid}/task/{tid}/schedstat", "rb")
+        except OSError:
+            return
+        role = "loop" if tid == str(self.pid) else next(
+            (r for prefix, r in self.ROLES.items() if comm.startswith(prefix)), "other")
+        self._files[tid] = (role, handle)
+        looks = self._unnamed.pop(tid, 20) - 1
+        if role == "other" and looks > 0:
+            self._unnamed[tid] = looks
+
+    def close(self) -> None:
+        for _, handle in self._files.values():
+            handle.close()
 
 
 # ---------------------------------------------------------------- what was measured

@@ -155,6 +155,9 @@ async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> 
         row["warm_handoffs"] = len(warm)
         shares = [h.reader_busy_share for h in done if h.reader_busy_share is not None]
         row["reader_busy"] = statistics.median(shares) if shares else None
+        roles = sorted({role for h in done for role in h.recv_threads_s})
+        row["recv_threads_ms"] = {role: 1000 * statistics.median(
+            h.recv_threads_s.get(role, 0.0) for h in done) for role in roles}
         row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
         print({k: v for k, v in row.items()}, flush=True)
         rows.append(row)

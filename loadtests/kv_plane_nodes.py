@@ -151,6 +151,8 @@ class Handoff:
     choice: dict[str, Any] = field(default_factory=dict)
     # How busy the decode node's readers were (its ack): >= 0.8, the receiver set the pace.
     reader_busy_share: float | None = None
+    # The decode node's cpu_s[1] by thread role (harness.ThreadCpu), its next step's taken off.
+    recv_threads_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def whole(self) -> bool:
@@ -186,14 +188,17 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
     step_cpu = sampler.between(decoded, stepped)[1]
     cpu = [sampler.between(begin, acked)[0],
            sampler.between(begin, max(decoded, acked))[1] - step_cpu]
+    window = sampler.threads_between(begin, max(decoded, acked))
+    step = sampler.threads_between(decoded, stepped)
+    threads = {role: seconds - step.get(role, 0.0) for role, seconds in window.items()}
     return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
                    acked - begin, decoded - start, decoded - acked, cpu, step_cpu, choice,
-                   transfer.get("last_reader_busy_share"))
+                   transfer.get("last_reader_busy_share"), threads)
 
 
 async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,
                    rng: random.Random) -> list[Handoff]:
-    with CpuSampler(nodes.pids(config)) as sampler:
+    with CpuSampler(nodes.pids(config), threads_of=nodes.decode.process.pid) as sampler:
         async with nodes.driver(config) as driver:
             return [await one_handoff(driver, nodes.urls[config], sampler,
                                       f"{config}-{tokens}-{i}-{rng.random():.6f}", tokens, rng)

@@ -71,6 +71,25 @@ def plane_rows(result: dict[str, Any]) -> list[list[Any]]:
     return out
 
 
+THREAD_ROLES = ("lanes", "loop", "engine", "other")
+
+
+def thread_rows(result: dict[str, Any]) -> list[list[Any]]:
+    """Each product row's receiver CPU per handoff by thread role (ms), and the bare AES-GCM
+    receiver's whole process beside it."""
+    out = []
+    for row in result["rows"]:
+        threads = row.get("recv_threads_ms")
+        if not threads:
+            continue
+        aes = find(result["rows"], row["tokens"], AES)
+        aes_ms = aes and 1000 * aes["cpu_recv_per_gib"] * row["bytes"] / GIB
+        out.append([row["link"], row["tokens"], row["path"],
+                    *(_r(threads.get(role), 1) for role in THREAD_ROLES),
+                    _r(sum(threads.values()), 1), _r(aes_ms, 1)])
+    return out
+
+
 def proof_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for result in results:
@@ -158,6 +177,10 @@ def report(results: list[dict[str, Any]], run: Any, shape: dict[str, int]) -> di
               f"({os.cpu_count()} cores, {run.plane.lanes} lane(s), {run.plane.record_bytes} B "
               f"records; {run.placement.describe()}; shared machine: compare ratios)", COLUMNS,
               [row for r in results for row in plane_rows(r)]),
+        table("Decode node's CPU per handoff by thread, ms (window less the next step's; "
+              "lanes: bulk readers; loop: the event loop; other: MLX's threads and the rest)",
+              ["link", "tokens", "path", *THREAD_ROLES, "all", "bare AES-GCM receiver"],
+              [row for r in results for row in thread_rows(r)]),
         table("Shaping proof: raw TCP over each tbf link", ["link", "rate Gbit/s", "burst s",
               "raw TCP Gbit/s", "x rate", "verdict", "reference Gbit/s"], proof_rows(results)),
         table("Decode ITL of running streams while a handoff arrives (full, none)",

@@ -22,6 +22,8 @@ import threading
 import time
 import traceback
 
+from mlxcel_plugin.libc import name_os_thread
+
 logger = logging.getLogger(__name__)
 
 STALL_S = 1.0  # below the router's 1.5 s ping timeout: the log says why before it drops us
@@ -59,6 +61,7 @@ class LoopWatchdog:
         self._timer = self.loop.call_later(self.interval_s, self._beat)
 
     def _watch(self) -> None:
+        name_os_thread()
         stalled_since: float | None = None
         while not self._stop.wait(self.interval_s):  # until stop()
             beat_s, now = self._beat_s, time.monotonic()

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mlxcel_plugin.errors import ProtocolError
+from mlxcel_plugin.libc import name_os_thread
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.link.protocol.handshake import Session
@@ -134,7 +135,8 @@ class BulkChannel:
         self._in = bytearray(chunk_bytes + TAG_BYTES)
         self._plain: bytearray | None = None  # for bodies without a sink buffer, on first use
         self.read_load = ReadLoad()  # every body read so far (link/read_load.py)
-        self._send_thread = ThreadPoolExecutor(1, name) if pipeline else None
+        self._send_thread = (ThreadPoolExecutor(1, name, initializer=name_os_thread)
+                             if pipeline else None)
         _tune(sock)
         _set_io_timeout(sock, io_timeout_s)
 

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from mlxcel_plugin.libc import name_os_thread
 from mlxcel_plugin.link.bulk import BULK_IN_THREAD, BULK_OUT_THREAD, BulkChannel
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.frames import Frame
@@ -43,10 +44,10 @@ class BulkPipe:
         if not channels:
             raise ValueError("a bulk pipe needs at least one lane")
         self.channels = tuple(channels)
-        self._out = [ThreadPoolExecutor(1, f"{BULK_OUT_THREAD}{lane}")
+        self._out = [ThreadPoolExecutor(1, f"{BULK_OUT_THREAD}{lane}", initializer=name_os_thread)
                      for lane in range(len(channels))]
         self._in = [ThreadPoolExecutor(1, f"{BULK_IN_THREAD}{lane}",
-                                       initializer=_lower_thread_priority, initargs=(reader_nice,))
+                                       initializer=_start_reader, initargs=(reader_nice,))
                     for lane in range(len(channels))]
         self._next_lane = 0
 
@@ -124,8 +125,10 @@ class BulkPipe:
             channel.join_threads()
 
 
-def _lower_thread_priority(nice: int) -> None:
-    """Renice the calling thread (Linux schedules threads as tasks; elsewhere a no-op)."""
+def _start_reader(nice: int) -> None:
+    """Name the calling reader thread for the OS and renice it (Linux schedules threads as
+    tasks; elsewhere a no-op)."""
+    name_os_thread()
     if nice <= 0 or not sys.platform.startswith("linux"):
         return
     try:

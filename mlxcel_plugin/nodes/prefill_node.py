@@ -27,6 +27,7 @@ from mlxcel_plugin.engine_api import PrefillResult, prefill_rows
 from mlxcel_plugin.engine_mailbox import EngineMailbox
 from mlxcel_plugin.errors import MlxcelError
 from mlxcel_plugin.kv_serde import AckHeader, ModelFingerprint
+from mlxcel_plugin.libc import name_os_thread
 from mlxcel_plugin.link import Link
 from mlxcel_plugin.link.protocol.frames import (
     ErrorFrame,
@@ -77,7 +78,8 @@ class PrefillNode:
         self._prompt_tokens = 0
         self._since_s = time.monotonic()
         # Encodes handoffs (the strategies' calls) off the event loop, one step at a time.
-        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-encode")
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-encode",
+                                          initializer=name_os_thread)
         self.starter = HandoffStarter(parts, links, self.targets, self.fingerprint, self.encoder,
                                       self.metrics, node_id)
 

@@ -10,13 +10,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "loadtests" / "bench_kv_plane.py"
 sys.path.insert(0, str(BENCH.parent))  # loadtests/ is scripts: import as they do
+from harness import ThreadCpu  # noqa: E402
 from kv_plane_report import gib_s, link_reference, target_rows  # noqa: E402
 
+from mlxcel_plugin.libc import name_os_thread  # noqa: E402
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port  # noqa: E402
 
 RUN_TIMEOUT_S = 600
@@ -31,16 +35,48 @@ def test_quick_run_prints_and_writes_every_path_and_table(tmp_path):
                           text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert "KV plane: every path" in done.stdout and "Issue 40 targets" in done.stdout
     result = json.loads(out.read_text())
-    plane, proof, itl, targets = result["tables"]
+    plane, threads, proof, itl, targets = result["tables"]
     paths = {row[plane["columns"].index("path")] for row in plane["rows"]}
     assert paths == {"raw TCP", "bare AES-GCM", "full-none", "full-int8"}
     chosen = {row[plane["columns"].index("chosen")] for row in plane["rows"]}
     assert {"full/none", "full/int8"} <= chosen  # the nodes ran what was asked
+    # The decode node's CPU by thread: its bulk readers named themselves and were counted.
+    lanes = threads["columns"].index("lanes")
+    assert {row[2] for row in threads["rows"]} == {"full-none", "full-int8"}
+    assert all(row[lanes] and row[lanes] > 0 for row in threads["rows"])
     assert proof["rows"] == []  # loopback is not shaped
     assert [row[0] for row in itl["rows"]] == ["loopback"]
     assert itl["rows"][0][itl["columns"].index("quiet gaps")] > 0
     assert {row[2] for row in targets["rows"]} >= {"full-none GiB/s >= 0.9x AES"}
     assert result["run"]["lanes"] >= 1 and result["machine"]["cores"]
+
+
+def test_a_process_cpu_is_split_by_the_roles_its_threads_name_themselves():
+    def reader(stop: threading.Event) -> None:
+        name_os_thread()
+        while not stop.is_set():  # bounded by the stop below
+            sum(range(1000))
+
+    stop = threading.Event()
+    thread = threading.Thread(target=reader, args=(stop,), name="mlxcel-bulk-in7_0")
+    threads = ThreadCpu(os.getpid())
+    thread.start()
+    try:
+        first = threads.by_role()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # bounded: until the reader has run 20 ms more
+            later = threads.by_role()
+            if later.get("lanes", 0.0) - first.get("lanes", 0.0) > 0.02:
+                break
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert later["lanes"] - first.get("lanes", 0.0) > 0.02
+    assert "loop" in later  # this process's main thread
+    ended = threads.by_role()  # the reader is gone: its CPU stays counted
+    assert ended["lanes"] >= later["lanes"]
+    threads.close()
 
 
 def run_baseline(aes: bool, size: int = 5 << 20) -> tuple[dict, dict]:
