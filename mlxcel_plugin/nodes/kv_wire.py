@@ -3,13 +3,14 @@
 A KV_CHUNK frame carries one chunk (its header is the chunk's header) or
 several: ``{"handoff_id", "epoch", "chunks": [chunk header, ...]}`` with the
 bodies back to back (a ``BodyParts`` when sent). Why several: each frame costs
-both ends a link round of bookkeeping (~0.5 ms of the decode node's event loop
+both ends a link round of bookkeeping (~0.7 ms of the decode node's event loop
 for a 16 MiB frame of an 8B model's shape), and a 64 MiB cache of SmolLM2's shape
 is 60 tensors of ~1 MiB. ``frames_for`` joins consecutive chunks for the same
 lane up to ``FRAME_CHUNK_BYTES``; it never waits for more. Not larger: each frame's
 body goes on one bulk lane, and 64 MiB frames, which saved the decode node's loop
 ~6 ms per 2k-token handoff of an 8B model's shape, would leave a handoff under
-128 MiB on one lane (docs/bulk-lanes.md#bodies-on-lanes).
+64 MiB on one lane and one under 256 MiB on fewer than four
+(docs/bulk-lanes.md#bodies-on-lanes).
 
 ``KV_END`` frames also carry ``first_token``: a streamed handoff sends its
 begin before prefill has sampled the first token, so the token the decode
