@@ -48,8 +48,9 @@ class RouterConfig:
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     # Once streaming, this long without a token migrates the request; 0 turns it off.
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
-    # A moving request with no healthy pair left waits this long for a node to come back
-    # (one dropped for silence redials at once) before it ends with an error; 0: at once.
+    # A moving request, or one re-routed before its first token whose failed node is gone
+    # too, with no healthy pair left waits this long for a node to come back (one dropped
+    # for silence redials at once) before it ends with an error; 0: at once.
     migration_wait_s: float = DEFAULT_MIGRATION_WAIT_S
     # The prefix index's block: the nodes' prefill chunk ([engine] chunk_size_tokens).
     prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS

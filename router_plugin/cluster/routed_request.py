@@ -49,6 +49,7 @@ from router_plugin.cluster.migration import (
     next_batch_within,
     stall_event,
 )
+from router_plugin.cluster.node_pool import NodeHealth
 from router_plugin.cluster.peer_links import PeerEvent, PeerLink
 from router_plugin.cluster.placement import Placement, wire_id
 from router_plugin.cluster.routing_context import RoutingContext
@@ -300,22 +301,35 @@ class RoutedRequest:
             return self.bridge.finish(FINISH_ERROR, f"{event.error}; no node to move to")
         return []
 
-    async def _place_again(self) -> None:
+    async def _place_again(self, *, rerouted: bool = False) -> None:
         """Place a moved request; if the nodes it excluded leave no pair, they may serve; if
         no pair is healthy, wait up to ``migration_wait_s`` for a node to come back (one the
-        router dropped for silence, busy rather than dead, redials at once)."""
+        router dropped for silence, busy rather than dead, redials at once).
+
+        A request re-routed before its first token keeps its exclusions: where a node it
+        excluded is still healthy (it refused the request: at capacity), that refusal
+        stands at once; where none is (the failed node is gone, and the others were dropped
+        while the router itself read late), it waits for them like a migration."""
         deadline = self.context.clock() + self.context.migration_wait_s
         while True:  # bounded: ``excluded`` empties once, then each pass waits to the deadline
             try:
                 return await self._place()
             except NoHealthyNodeError:
-                if self.excluded:  # a node that reported a failure may not be the one at fault
+                if rerouted and self._an_excluded_node_is_healthy():
+                    raise
+                if self.excluded and not rerouted:  # the failed node may not be at fault
                     self.excluded.clear()
                     continue
                 left = deadline - self.context.clock()
                 if left <= 0:
                     raise
                 await self.context.wait_for_nodes(left)
+
+    def _an_excluded_node_is_healthy(self) -> bool:
+        pool = self.context.pool
+        known = set(pool.ids())  # a node removed from membership meanwhile is not
+        return any(node_id in known and pool.health(node_id) is NodeHealth.HEALTHY
+                   for node_id in self.excluded)
 
     def _worth_rerouting(self, event: PeerEvent) -> bool:
         if self.bridge.attempt + 1 >= self.context.max_placements:
@@ -329,7 +343,7 @@ class RoutedRequest:
         await self._release(self.placement, "rerouted")
         self.bridge.restart()
         self.context.stats.requests.rerouted += 1
-        await self._place()
+        await self._place_again(rerouted=True)
 
     def _side_done(self, source: str) -> None:
         placement = self.placement

@@ -42,6 +42,6 @@ class RoutingContext:
     clock: Callable[[], float] = time.monotonic  # for the pool's telemetry ages
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # moves after the client saw a token
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S  # once streaming, silence migrates; 0: off
-    # A moving request with no healthy pair left waits this long for a node to come back.
+    # A moving (or re-routed) request with no healthy pair left waits this long for a node.
     migration_wait_s: float = 0.0
     wait_for_nodes: Callable[[float], Awaitable[None]] = _no_wait  # returns on a change

@@ -168,6 +168,35 @@ def test_prefill_link_lost_before_the_first_token_reroutes() -> None:
     run(main())
 
 
+def test_a_reroute_waits_for_nodes_the_router_dropped_while_it_read_late() -> None:
+    """The prefill node is killed before the first token while the router has just dropped
+    the only other one (as when its own loop stalls and every ping reads late): the request
+    waits for that node to come back instead of answering 503."""
+    async def main():
+        c = await cluster(2, 1, config=RouterConfig(migration_wait_s=10.0))
+        pool = c.backend.pool
+        pool.mark_unreachable("prefill-1", 0.0, "silent")  # dropped, yet alive
+        c.prefills[0].prefill_delay_s = 5.0  # holds the request until it is killed
+
+        async def kill_then_revive():
+            await wait_for(lambda: c.prefills[0].requests)
+            await c.prefills[0].stop()
+            await wait_for(lambda: c.stats.requests.rerouted == 1)
+            await asyncio.sleep(0.05)  # the request is waiting for a node by now
+            pool.mark_healthy("prefill-1", 0.0)
+            c.backend.on_load_change()  # what a node coming back does
+
+        faults = asyncio.create_task(kill_then_revive())
+        events = await collect(c.backend, request())
+        await faults
+        assert tokens(events) == echo_script((5, 6, 7))
+        assert c.stats.requests.rerouted == 1 and c.stats.requests.completed == 1
+        assert len(c.prefills[1].requests) == 1
+        await c.close()
+
+    run(main())
+
+
 def test_prefill_at_capacity_tries_another_node_then_503() -> None:
     async def main():
         c = await cluster()
