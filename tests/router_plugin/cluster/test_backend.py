@@ -182,7 +182,7 @@ def test_a_reroute_waits_for_nodes_the_router_dropped_while_it_read_late() -> No
             await wait_for(lambda: c.prefills[0].requests)
             await c.prefills[0].stop()
             await wait_for(lambda: c.stats.requests.rerouted == 1)
-            await asyncio.sleep(0.05)  # the request is waiting for a node by now
+            await wait_for(lambda: c.backend._node_changes)  # the request waits for a node
             pool.mark_healthy("prefill-1", 0.0)
             c.backend.on_load_change()  # what a node coming back does
 
