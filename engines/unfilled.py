@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlxcel_plugin.cache_lines import from_cache_line, padded_elements
 from mlxcel_plugin.huge_pages import advise_huge_pages, populate_write
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 # At most this much is held beyond live arrays, per dtype. Each new slab is a hop to MLX's I/O
 # threads that waits for the GIL (1-3 ms under load, in the body sink): one per 64 MiB received.
 SLAB_BYTES = 64 * 1024 * 1024
-_ALIGN_BYTES = 4096  # views start on page boundaries
+_ALIGN_BYTES = 4096  # views start on page boundaries of the slab (which starts on a cache line)
 # Arrays this large get an allocation each (decode then writes into them in place); one
 # mx.load each (~0.15 ms) is small beside the bytes that fill them.
 OWN_ALLOCATION_BYTES = 4 * 1024 * 1024
@@ -108,17 +109,26 @@ def unfilled_array(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
     return zeros
 
 
+def unfilled_from_cache_line(elements: int, dtype: np.dtype, storage: mx.Dtype,
+                             stream: mx.Stream) -> np.ndarray:
+    """A writable 1-D numpy view of ``elements`` of a fresh MLX allocation, unfilled, starting
+    on a cache line (MLX's own start is 8 bytes past one: ``mlxcel_plugin.cache_lines``)."""
+    raw = unfilled_vector(padded_elements(elements, dtype.itemsize), dtype, storage, stream)
+    return from_cache_line(np.array(raw, copy=False), elements)
+
+
 def own_buffers(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype, count: int,
                 stream: mx.Stream) -> list[np.ndarray]:
     """``count`` arrays each in an MLX allocation of its own, as writable numpy views.
 
     Why not slab views: MLX writes into an array in place (a decode step's new token)
     only while no other array shares its memory; a slab shared by several tensors makes
-    the first decode step copy each of them.
+    the first decode step copy each of them. The view starting a few bytes into its
+    allocation does not stop that: adopted, it is the allocation's only array.
     """
     out = []
     for _ in range(count):
-        view = np.array(unfilled_array(shape, dtype, storage, stream), copy=False)
+        view = unfilled_from_cache_line(math.prod(shape), dtype, storage, stream).reshape(shape)
         advise_huge_pages(view)  # before any byte is written: 2 MiB faults, not 4 KiB
         out.append(view)
     return out
@@ -209,7 +219,7 @@ class SlabCarver:
 
     def _new_slab(self, dtype: np.dtype, storage: mx.Dtype, elements: int) -> _Slab:
         size = max(elements, self._slab_bytes // dtype.itemsize)
-        return _Slab(np.array(unfilled_vector(size, dtype, storage, self._stream), copy=False))
+        return _Slab(unfilled_from_cache_line(size, dtype, storage, self._stream))
 
 
 def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:

@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 
+from mlxcel_plugin.cache_lines import CACHE_LINE_BYTES, from_cache_line
 from mlxcel_plugin.libc import linux_libc
 
 logger = logging.getLogger(__name__)
@@ -58,17 +59,18 @@ class BufferPool:
         return sum(slab.nbytes for slab in self._slabs)
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of ``nbytes`` (contents undefined)."""
+        """A writable uint8 array of ``nbytes`` (contents undefined), starting on a cache line
+        (``mlxcel_plugin.cache_lines``; a slab is held whole, so its views count as lent)."""
         slab = self._free_slab(nbytes)
         if slab is not None:
             self.reused += 1
-            return slab[:nbytes]
+            return from_cache_line(slab, nbytes)
         size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        if not self._make_room(size):
+        if not self._make_room(size + CACHE_LINE_BYTES):
             return np.empty(nbytes, dtype=np.uint8)
-        slab = np.empty(size, dtype=np.uint8)
+        slab = np.empty(size + CACHE_LINE_BYTES, dtype=np.uint8)
         self._slabs.append(slab)
-        return slab[:nbytes]
+        return from_cache_line(slab, nbytes)
 
     def take_array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -80,7 +82,7 @@ class BufferPool:
         best = None
         for i in range(len(self._slabs)):
             size = self._slabs[i].nbytes
-            fits = nbytes <= size <= 2 * nbytes + _ALIGN
+            fits = nbytes + CACHE_LINE_BYTES <= size <= 2 * nbytes + _ALIGN + CACHE_LINE_BYTES
             if fits and (best is None or size < self._slabs[best].nbytes) and not self._lent(i):
                 best = i
         return None if best is None else self._slabs[best]

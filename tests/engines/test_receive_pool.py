@@ -19,6 +19,7 @@ from engines import kv_convert
 from engines.engine_memory import EngineMemory, warm_bytes
 from engines.synthetic_kv import load_synthetic_model, write_synthetic_checkpoint
 from mlxcel_plugin.builtin_plugin import builtin_codecs
+from mlxcel_plugin.cache_lines import CACHE_LINE_BYTES
 from mlxcel_plugin.engine_api import EngineConfig
 from mlxcel_plugin.kv_serde import KVAssembler, ReceiveMemory
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_NONE
@@ -171,7 +172,8 @@ def test_a_warm_handoff_stays_warm_after_other_buffers_fill_the_pool(cache_limit
     mx.set_cache_limit(limit)
     monkeypatch.setattr(engine_memory, "_applied_cache_bytes", [limit])
     sent, caches = receive(4400, seed=1)
-    handoff_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    # Each buffer's allocation: its array and the cache line it may start into (cache_lines).
+    handoff_bytes = sum(c.keys.nbytes + c.values.nbytes + 2 * CACHE_LINE_BYTES for c in caches)
     del caches
     gc.collect()
     sent, caches = receive(4200, seed=2)  # takes the buffers just freed

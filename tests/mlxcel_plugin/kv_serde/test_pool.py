@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from mlxcel_plugin.cache_lines import CACHE_LINE_BYTES
 from mlxcel_plugin.kv_serde import BufferPool
 
 MIB = 1 << 20
@@ -18,6 +19,16 @@ def test_a_slab_is_reused_once_every_view_of_it_is_gone():
     del view
     again = pool.take(256_000)
     assert again.ctypes.data == address and pool.reused == 1
+
+
+def test_lent_memory_starts_on_a_cache_line():
+    pool = BufferPool(16 * MIB)
+    first = pool.take(1000)
+    array = pool.take_array((3, 7, 5), np.float16)
+    del first
+    again = pool.take(900)  # the first slab, lent again
+    assert pool.reused == 1
+    assert all(a.ctypes.data % CACHE_LINE_BYTES == 0 for a in (array, again))
 
 
 def test_a_slab_is_not_lent_for_much_smaller_requests():
