@@ -145,12 +145,14 @@ def test_shared_slabs_are_not_advised_huge_pages(monkeypatch):
 @pytest.fixture
 def fresh_carver(monkeypatch):
     """A carver whose slabs are fresh anonymous mappings: pages never touched, whatever
-    memory this process freed before (MLX or malloc may hand back pages already faulted)."""
+    memory this process freed before (MLX or malloc may hand back pages already faulted);
+    every buffer these tests ask for (1-3 MiB) comes from its slabs."""
 
     def fresh_vector(size: int, dtype: np.dtype, storage, stream) -> np.ndarray:
         return np.frombuffer(mmap.mmap(-1, size * dtype.itemsize), dtype=dtype)
 
     monkeypatch.setattr(unfilled, "unfilled_vector", fresh_vector)
+    monkeypatch.setattr(unfilled, "OWN_ALLOCATION_BYTES", 64 << 20)
     return lambda slab_bytes: SlabCarver(mx.new_stream(mx.cpu), slab_bytes=slab_bytes)
 
 
