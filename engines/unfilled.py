@@ -114,7 +114,7 @@ def unfilled_array(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
 def unfilled_from_cache_line(elements: int, dtype: np.dtype, storage: mx.Dtype,
                              stream: mx.Stream) -> np.ndarray:
     """A writable 1-D numpy view of ``elements`` of a fresh MLX allocation, unfilled, starting
-    on a cache line (MLX's own start is 8 bytes past one: ``mlxcel_plugin.cache_lines``)."""
+    on a cache line (MLX's own start is off one: ``mlxcel_plugin.cache_lines``)."""
     raw = unfilled_vector(padded_elements(elements, dtype.itemsize), dtype, storage, stream)
     return from_cache_line(np.array(raw, copy=False), elements)
 

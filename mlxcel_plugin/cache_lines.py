@@ -4,8 +4,9 @@ Why: received K/V are decrypted (AES-GCM, AVX-512: 64-byte stores) straight into
 their receive buffers, and into memory that starts off a cache line every store
 spans two lines. Decrypting 256 MiB into warm memory took ~12% more CPU here
 starting 8, 16, 32 or 48 bytes past a line than on one (docs/bulk-lanes.md#cache-line-alignment).
-glibc's ``malloc`` behind numpy and MLX's CPU allocator gives 16 bytes past a line
-(its chunk header), MLX 8 more (the size it keeps before the data).
+glibc's ``malloc`` behind numpy gives large buffers 16 bytes past a line (its chunk
+header); MLX's CPU allocator keeps each buffer's size before its data, so MLX arrays
+start 8 bytes past a 16-byte boundary (8, 24, 40 or 56 past a line, as measured).
 """
 
 from __future__ import annotations
