@@ -44,8 +44,9 @@ SLAB_BYTES = 64 * 1024 * 1024
 _ALIGN_BYTES = 4096  # views start on page boundaries of the slab (which starts on a cache line)
 # Arrays this large get an allocation each (decode then writes into them in place); one
 # mx.load each (~0.1 ms of CPU) is small beside the first decode step's copy of a slab view
-# it saves: from 4 MiB down to 1 MiB, the engine thread's share of an 8B-shaped handoff fell
-# from 26-31 to 10-17 ms at 1k tokens, 17-21 to 12-13 at 512 (bench_kv_plane, alternating).
+# it saves: from 4 MiB down to 1 MiB, the engine's share of an 8B-shaped handoff (its thread
+# and MLX's it started) fell from 26-31 to 10-17 ms at 1k tokens, 17-21 to 12-13 at 512
+# (bench_kv_plane, alternating).
 OWN_ALLOCATION_BYTES = 1024 * 1024
 # Slab memory faulted in ahead of the next view (SlabCarver.prefault), and how much of it one
 # engine iteration faults while sequences decode (~0.25 ms of CPU here; idle: all of it).

@@ -32,7 +32,8 @@ node's bulk readers were running or waiting for a CPU (its acks' ``reader_busy_s
 at 0.8 or more the prefill node takes the handoff as receiver-paced, not as the link's
 speed: docs/bulk-lanes.md#who-set-the-pace). A second table splits the decode node's CPU per
 handoff by thread (each thread's ``schedstat`` over the same window, less the next step's:
-bulk readers, event loop, engine thread, the rest), beside the bare AES-GCM receiver's whole
+bulk readers, event loop, engine (its thread and the MLX threads it started, which
+inherit its OS name), the rest), beside the bare AES-GCM receiver's whole
 process for the same bytes. Each config first takes unmeasured handoffs of
 each size: the first lands
 in fresh pages (its receiver CPU prints as "recv cold s/GiB"), the rest until one lands

@@ -112,9 +112,10 @@ def _schedstat_s(handle: Any) -> float | None:
 
 class ThreadCpu:
     """One process's CPU seconds so far by thread role, from each thread's ``schedstat``
-    (nanoseconds on CPU): ``loop`` (the main thread), ``lanes`` (bulk readers), ``engine``,
-    ``other`` (MLX's own threads and the rest). Roles come from the names nodes give their
-    threads (``mlxcel_plugin.libc.name_os_thread``); a thread that ended keeps its total.
+    (nanoseconds on CPU): ``loop`` (the main thread), ``lanes`` (bulk readers), ``engine``
+    (the engine thread and the MLX threads it started: a new thread inherits its creator's
+    OS name), ``other`` (the rest). Roles come from the names nodes give their threads
+    (``mlxcel_plugin.libc.name_os_thread``); a thread that ended keeps its total.
     Files stay open and are re-read in place, so a sample costs a few µs a thread."""
 
     ROLES = {"bulk-in": "lanes", "mlx-engine": "engine"}

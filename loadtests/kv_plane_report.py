@@ -178,7 +178,8 @@ def report(results: list[dict[str, Any]], run: Any, shape: dict[str, int]) -> di
               f"records; {run.placement.describe()}; shared machine: compare ratios)", COLUMNS,
               [row for r in results for row in plane_rows(r)]),
         table("Decode node's CPU per handoff by thread, ms (window less the next step's; "
-              "lanes: bulk readers; loop: the event loop; other: MLX's threads and the rest)",
+              "lanes: bulk readers; loop: the event loop; engine: its thread and the MLX "
+              "threads it started, which take its name; other: the rest)",
               ["link", "tokens", "path", *THREAD_ROLES, "all", "bare AES-GCM receiver"],
               [row for r in results for row in thread_rows(r)]),
         table("Shaping proof: raw TCP over each tbf link", ["link", "rate Gbit/s", "burst s",
