@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 from harness import GIB, KVPlaneDefaults, Placement, proc_minor_faults
 from kv_plane_nodes import NodeSet, handoffs, itl_phase, loopback_nodes, netns_nodes, warm_up
 
-from mlxcel_plugin.engine_api import PrefixCacheConfig
+from mlxcel_plugin.config import prefix_cache_config
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port
 from mlxcel_plugin.testing.netns import DEVICE, LATENCY_MS, NetnsTopology, tbf_args
 
@@ -40,8 +41,11 @@ WARM_FAULTS_PER_GIB, MAX_WARM_HANDOFFS = 8192, 8
 MAX_PREFIX_FILL_HANDOFFS = 24
 
 
-def max_warm_handoffs(kv_bytes: int) -> int:
-    held = PrefixCacheConfig().max_bytes // max(kv_bytes, 1)
+def max_warm_handoffs(kv_bytes: int, decode_sections: dict[str, dict[str, Any]] | None) -> int:
+    """Handoffs to warm up with at most: the decode node's prefix cache budget resolved as
+    the node resolves it (its ``[prefix_cache]`` table, ``MLXCEL_PREFIX_CACHE_BYTES``)."""
+    section = (decode_sections or {}).get("prefix_cache", {})
+    held = prefix_cache_config(os.environ, section, None).max_bytes // max(kv_bytes, 1)
     return MAX_WARM_HANDOFFS + min(MAX_PREFIX_FILL_HANDOFFS, held)
 
 
@@ -131,7 +135,8 @@ async def warm_handoffs(nodes: NodeSet, config: str, tokens: int, run: LinkRun) 
     pool turned over to this size (docs/bulk-lanes.md#receive-pool) and the prefix cache
     filled (``max_warm_handoffs``). All of them, in order."""
     pid, done = nodes.decode.process.pid, []
-    while len(done) < max_warm_handoffs(tokens * run.bytes_per_token):  # bounded
+    while len(done) < max_warm_handoffs(tokens * run.bytes_per_token,  # bounded
+                                        run.decode_sections):
         before = proc_minor_faults(pid)
         done += await handoffs(nodes, config, tokens, 1, run.rng)
         faults = (proc_minor_faults(pid) - before) / (done[-1].kv_bytes / GIB)
