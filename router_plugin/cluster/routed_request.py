@@ -311,8 +311,8 @@ class RoutedRequest:
         stands at once; where none is (the failed node is gone, and the others were dropped
         while the router itself read late), it waits for them like a migration."""
         deadline = self.context.clock() + self.context.migration_wait_s
-        while True:  # bounded: ``excluded`` empties at most once, then each pass waits out
-            # the deadline
+        # Bounded: ``excluded`` empties at most once, then each pass waits out the deadline.
+        while True:
             try:
                 return await self._place()
             except NoHealthyNodeError:
