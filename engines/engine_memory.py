@@ -47,10 +47,11 @@ def model_bytes(model: nn.Module) -> int:
 
 
 class EngineMemory:
-    """One engine's budgets (its KV budget sized from the model) and its idle release."""
+    """One engine's budgets (its KV budget sized from the model's ``weights_bytes``: see
+    ``model_bytes``) and its idle release."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig):
-        self.budgets: MemoryBudgets = budgets_for(config, model_bytes(model))
+    def __init__(self, weights_bytes: int, config: EngineConfig):
+        self.budgets: MemoryBudgets = budgets_for(config, weights_bytes)
         self.model_bytes = self.budgets.model_bytes
         self.config = with_kv_budget(config, self.model_bytes)
         self.receive_pool_bytes = receive_pool_bytes_for(

@@ -105,21 +105,6 @@ def to_cache_layer(cache: Any, prompt_len: int | None = None) -> CacheLayer:
     )
 
 
-def keep_freed_buffers(kv_memory_bytes: int) -> int:
-    """Let MLX keep up to the KV budget of freed buffers for reuse; returns the limit in force.
-
-    Why: MLX's CPU allocator caches only 32 MiB of freed buffers by default, so
-    every handed-off cache (``adopt_layer``) lands in memory fresh from the OS
-    and page-faults as it is copied: 256 MiB took ~95 ms to copy into MLX, ~15 ms
-    into reused buffers (bench_kv_handoff, 2 cores). Only ever raises the limit.
-    The engine bounds it lower, to a few handoffs' worth (engines/engine_memory.py).
-    """
-    previous = mx.set_cache_limit(kv_memory_bytes)
-    if previous > kv_memory_bytes:
-        mx.set_cache_limit(previous)
-    return max(previous, kv_memory_bytes)
-
-
 def kv_buffers(
     shape: tuple[int, ...], dtype: np.dtype, count: int, carver: SlabCarver
 ) -> list[np.ndarray]:

@@ -34,7 +34,7 @@ from engines.engine_commands import (
     deliver,
     finish_command,
 )
-from engines.engine_memory import EngineMemory
+from engines.engine_memory import EngineMemory, model_bytes
 from engines.grammar import request_sampler
 from engines.handoff_arrivals import HandoffArrivals
 from engines.kv_quant import KVQuantizer
@@ -75,7 +75,7 @@ class MlxEngine:
         self.model = model
         self._kv_quant = KVQuantizer(config)  # [engine] kv_bits: quantized once prefilled
         self.info = self._kv_quant.described(info, model)
-        self._memory = EngineMemory(model, config)  # the KV budget sized from the model
+        self._memory = EngineMemory(model_bytes(model), config)  # KV budget sized from weights
         self.config, self.model_bytes = self._memory.config, self._memory.model_bytes
         self._commands: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None

@@ -53,6 +53,7 @@ from typing import Any
 from bench_common import add_common_args, bench_result, table, write_json
 
 from engines import kv_convert
+from engines.engine_memory import EngineMemory
 from engines.unfilled import SlabCarver
 from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import CacheLayer, CacheState, EngineConfig
@@ -327,7 +328,10 @@ def receiver_main(port_q: Any) -> None:
     """Entry point of the receiving process (raw TCP listener + link server)."""
     import mlx.core as mx
 
-    kv_convert.keep_freed_buffers(EngineConfig().kv_memory_bytes)  # as MlxEngine.start does
+    # MLX keeps freed buffers up to the receive pool's bound, as a decode node's engine does
+    # (EngineMemory.apply): without it MLX's own 32 MiB default sent every handoff into
+    # fresh pages, faulted as the bodies were decrypted.
+    EngineMemory(0, EngineConfig()).apply()
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=_raw_server, args=(listener,), daemon=True).start()
     carver = SlabCarver(mx.new_stream(mx.cpu))  # as MlxEngine.kv_buffers: K/V in MLX memory

@@ -56,7 +56,7 @@ def test_engine_memory_sizes_the_budget_from_the_weights(tiny_model_path):
     weights = model_bytes(engine.model)
     assert engine.model_bytes == weights > 0
     assert engine.config.kv_memory_bytes == engine._memory.budgets.kv_budget_bytes > 0
-    memory = EngineMemory(engine.model, EngineConfig(kv_memory_bytes=256 * MIB))
+    memory = EngineMemory(model_bytes(engine.model), EngineConfig(kv_memory_bytes=256 * MIB))
     memory.apply()
     assert memory.config.kv_memory_bytes == 256 * MIB
     assert mx.set_cache_limit(memory.budgets.freed_cache_bytes) == 64 * MIB  # the limit set

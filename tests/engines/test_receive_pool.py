@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engines import kv_convert
-from engines.engine_memory import EngineMemory, warm_bytes
+from engines.engine_memory import EngineMemory, model_bytes, warm_bytes
 from engines.synthetic_kv import load_synthetic_model, write_synthetic_checkpoint
 from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.cache_lines import CACHE_LINE_BYTES
@@ -122,14 +122,15 @@ def test_the_engine_bounds_mlxs_cache_by_the_receive_pool(tmp_path):
     previous = mx.set_cache_limit(0)
     try:
         config = EngineConfig(kv_memory_bytes=2 * GIB, receive_pool_bytes=768 * MIB)
-        memory = EngineMemory(model, config)
+        memory = EngineMemory(model_bytes(model), config)
         memory.apply()
         assert memory.receive_pool_bytes == memory.cache_limit_bytes == 768 * MIB
         assert mx.set_cache_limit(768 * MIB) == 768 * MIB  # the limit in force
         # What a decode node's /metrics reads (mlxcel:receive_pool_*_bytes).
         assert kv_convert.ReceiveBuffers().pool_bytes() == (768 * MIB, warm_bytes())
         # Asked for more than the KV budget: held to the budget.
-        memory = EngineMemory(model, dataclasses.replace(config, kv_memory_bytes=512 * MIB))
+        smaller = dataclasses.replace(config, kv_memory_bytes=512 * MIB)
+        memory = EngineMemory(model_bytes(model), smaller)
         assert memory.receive_pool_bytes == 512 * MIB
     finally:
         mx.set_cache_limit(previous)
