@@ -1,5 +1,5 @@
-"""The link's bulk lanes alone: one handoff's worth of bytes over a real link, per lane count,
-record size and sealing mode (pipelined or not), to choose the defaults by measurement.
+"""The link's bulk lanes alone: one handoff's worth of bytes over a real link, per lane count
+and record size, to choose the defaults by measurement.
 
 The receiver is a child process serving one link whose body sink is a warm buffer (the
 KV receiver's case); the sender (this process) sends ``--gib`` GiB as KV_CHUNK
@@ -8,7 +8,7 @@ GiB/s and CPU-s per GiB on each side (each process's own rusage over the transfe
 ``--pin`` on >= 2 cores the sender runs on core 0 and the receiver on core 1.
 
     python loadtests/bench_bulk_lanes.py [--gib 1] [--lanes 1,2,4] [--records 256k,1m,4m]
-        [--pipeline on,off] [--repeats 3] [--json PATH]
+        [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -79,9 +79,8 @@ async def receive(lanes: int, record: int, total: int) -> None:
 # ---------------------------------------------------------------- sender
 
 
-async def send(port: int, lanes: int, pipeline: bool, total: int,
-               queue_bytes: int) -> dict[str, float]:
-    config = LinkConfig(bulk_lanes=lanes, bulk_pipeline=pipeline, send_queue_bytes=queue_bytes)
+async def send(port: int, lanes: int, total: int, queue_bytes: int) -> dict[str, float]:
+    config = LinkConfig(bulk_lanes=lanes, send_queue_bytes=queue_bytes)
     link = await dial_link(f"127.0.0.1:{port}", SECRET, "prefill", "lanes-source",
                            config=config)
     assert link.bulk_lanes == lanes, (link.bulk_lanes, lanes)
@@ -97,7 +96,7 @@ async def send(port: int, lanes: int, pipeline: bool, total: int,
             "recv_cpu_per_gib": ack.header["cpu_s"] / gib}
 
 
-def one_run(lanes: int, record: int, pipeline: bool, total: int, pin: bool,
+def one_run(lanes: int, record: int, total: int, pin: bool,
             queue_bytes: int) -> dict[str, float]:
     child = [sys.executable, __file__, "--receive", str(lanes), str(record), str(total)]
     if pin:
@@ -105,7 +104,7 @@ def one_run(lanes: int, record: int, pipeline: bool, total: int, pin: bool,
     proc = subprocess.Popen(child, stdout=subprocess.PIPE, text=True)
     try:
         port = json.loads(proc.stdout.readline())["port"]
-        return asyncio.run(asyncio.wait_for(send(port, lanes, pipeline, total, queue_bytes), 300))
+        return asyncio.run(asyncio.wait_for(send(port, lanes, total, queue_bytes), 300))
     finally:
         proc.wait(timeout=30)
 
@@ -125,7 +124,6 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--lanes", default="1,2,4")
     parser.add_argument("--records", default="256k,1m,4m")
-    parser.add_argument("--pipeline", default="on,off")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction,
                         default=(os.cpu_count() or 1) >= 2)
@@ -145,18 +143,15 @@ def main() -> None:
     rows = []
     for record in (parse_bytes(r) for r in args.records.split(",")):
         for lanes in (int(n) for n in args.lanes.split(",")):
-            for pipeline in (p == "on" for p in args.pipeline.split(",")):
-                queue = queue_bytes(args.queue, lanes)
-                runs = [one_run(lanes, record, pipeline, total, args.pin, queue)
-                        for _ in range(args.repeats)]
-                row = {"record": record, "lanes": lanes, "pipeline": pipeline, "queue": queue,
-                       **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
-                rows.append(row)
-                print(f"queue {queue >> 20:3d} MiB  record {record >> 10:5d} KiB  lanes {lanes}  "
-                      "pipelined "
-                      f"{'yes' if pipeline else 'no ':3s}  {row['gib_s']:.2f} GiB/s  "
-                      f"send {row['send_cpu_per_gib']:.2f}  recv {row['recv_cpu_per_gib']:.2f} "
-                      f"CPU-s/GiB (median of {len(runs)})", flush=True)
+            queue = queue_bytes(args.queue, lanes)
+            runs = [one_run(lanes, record, total, args.pin, queue) for _ in range(args.repeats)]
+            row = {"record": record, "lanes": lanes, "queue": queue,
+                   **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+            rows.append(row)
+            print(f"queue {queue >> 20:3d} MiB  record {record >> 10:5d} KiB  lanes {lanes}  "
+                  f"{row['gib_s']:.2f} GiB/s  send {row['send_cpu_per_gib']:.2f}  "
+                  f"recv {row['recv_cpu_per_gib']:.2f} CPU-s/GiB (median of {len(runs)})",
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "load": os.getloadavg()}, indent=1))
 

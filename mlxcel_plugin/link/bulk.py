@@ -7,7 +7,9 @@ from the same handshake; the frame's header and the body length go over the
 WebSocket (authenticated), so ordering and lengths come from the control link
 and the stream itself needs no framing. I/O is blocking ``sendall`` /
 ``recv_into(MSG_WAITALL)`` into preallocated buffers, in a worker thread: one
-syscall per record, no event-loop round trips, no per-record allocation.
+syscall per record, no event-loop round trips, no per-record allocation. A lane seals
+and sends in the same thread: the kernel's autotuned send buffer already overlaps
+the wire with the sealing of the next record (docs/bulk-lanes.md#one-thread-per-direction).
 
 Attaching: the server's ACCEPT verdict (encrypted) names a port and a one-time
 token; the client connects and sends ``MLXB ‖ token ‖ HMAC(k_auth, "bulk client"
@@ -22,10 +24,8 @@ import socket
 import struct
 import sys
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from mlxcel_plugin.errors import ProtocolError
-from mlxcel_plugin.libc import name_os_thread
 from mlxcel_plugin.link.protocol.body_parts import BodyParts
 from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.link.protocol.handshake import Session
@@ -46,7 +46,6 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # Thread name prefixes of the bulk channel's I/O threads (benchmarks attribute CPU by them).
 BULK_OUT_THREAD = "mlxcel-bulk-out"
 BULK_IN_THREAD = "mlxcel-bulk-in"
-BULK_SEND_THREAD = BULK_OUT_THREAD + "-send"  # a pipelined channel's socket writer
 
 
 class BulkError(ProtocolError):
@@ -120,59 +119,30 @@ class BulkChannel:
     in a thread).
 
     Each direction is used by one thread at a time (the link's writer task and
-    reader task each await their side), so no locking is needed here. With
-    ``pipeline`` the writer seals record n+1 while a second thread sends record n
-    (two alternating buffers; AEAD and ``sendall`` both release the GIL).
+    reader task each await their side), so no locking is needed here.
     """
 
     def __init__(self, sock: socket.socket, sender: RecordSender, receiver: RecordReceiver,
-                 chunk_bytes: int, io_timeout_s: float, *, pipeline: bool = False,
-                 name: str = BULK_SEND_THREAD):
+                 chunk_bytes: int, io_timeout_s: float):
         self._sock = sock
         self._sender, self._receiver = sender, receiver
         self.chunk_bytes = chunk_bytes
-        self._outs = [bytearray(chunk_bytes + TAG_BYTES) for _ in range(2 if pipeline else 1)]
+        self._out = bytearray(chunk_bytes + TAG_BYTES)
         self._in = bytearray(chunk_bytes + TAG_BYTES)
         self._plain: bytearray | None = None  # for bodies without a sink buffer, on first use
         self.read_load = ReadLoad()  # every body read so far (link/read_load.py)
-        self._send_thread = (ThreadPoolExecutor(1, name, initializer=name_os_thread)
-                             if pipeline else None)
         _tune(sock)
         _set_io_timeout(sock, io_timeout_s)
 
     def write_body(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
         """Send a body as records of ``chunk_bytes``; a BodyParts' records span its parts."""
+        out = memoryview(self._out)
         try:
-            if self._send_thread is None:
-                self._write_sequential(body)
-            else:
-                self._write_pipelined(body)
+            for pieces in record_spans(_views(body), self.chunk_bytes):
+                n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
+                self._sock.sendall(out[:n])
         except TimeoutError as exc:
             raise BulkTimeout("bulk channel send timed out") from exc
-
-    def _write_sequential(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
-        out = memoryview(self._outs[0])
-        for pieces in record_spans(_views(body), self.chunk_bytes):
-            n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
-            self._sock.sendall(out[:n])
-
-    def _write_pipelined(self, body: bytes | bytearray | memoryview | BodyParts) -> None:
-        """Seal record n+1 into one buffer while the send thread writes record n from the
-        other; a buffer is sealed into again only after its send returned."""
-        sending: Future[None] | None = None
-        try:
-            for count, pieces in enumerate(record_spans(_views(body), self.chunk_bytes)):
-                out = memoryview(self._outs[count % 2])
-                n = self._sender.seal_parts_into([piece for _, piece in pieces], out)
-                if sending is not None:
-                    sending.result()  # raises the send's error; frees the other buffer
-                sending = self._send_thread.submit(self._sock.sendall, out[:n])
-            if sending is not None:
-                sending.result()
-                sending = None
-        finally:
-            if sending is not None:  # sealing failed: the buffer stays busy until sent
-                sending.exception()
 
     def read_body(self, n_bytes: int, into: memoryview | BodyParts | None = None
                   ) -> bytearray | memoryview | BodyParts:
@@ -254,21 +224,14 @@ class BulkChannel:
         except OSError:
             logger.debug("bulk socket already disconnected")
 
-    def join_threads(self) -> None:
-        """Wait for the pipelined send thread to let go of the socket (after ``shutdown``)."""
-        if self._send_thread is not None:
-            self._send_thread.shutdown(wait=True)
-
     def close(self) -> None:
         """Release the socket; call once no thread uses it any more."""
         self.shutdown()
-        self.join_threads()
         self._sock.close()
 
 
 def make_channel(sock: socket.socket, session: Session, chunk_bytes: int,
-                 io_timeout_s: float, lane: int = 0, pipeline: bool = False) -> BulkChannel:
+                 io_timeout_s: float, lane: int = 0) -> BulkChannel:
     """Bulk lane ``lane`` of ``session`` over ``sock`` (each lane has its own keys)."""
     sender, receiver = session.bulk_records(max_record_bytes=chunk_bytes, lane=lane)
-    return BulkChannel(sock, sender, receiver, chunk_bytes, io_timeout_s, pipeline=pipeline,
-                       name=f"{BULK_SEND_THREAD}{lane}")
+    return BulkChannel(sock, sender, receiver, chunk_bytes, io_timeout_s)

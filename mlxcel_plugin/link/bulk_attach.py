@@ -50,8 +50,7 @@ def lane_label(side: bytes, lane: int) -> bytes:
 
 
 async def attach_client(host: str, port: int, token: bytes, session: Session,
-                        chunk_bytes: int, io_timeout_s: float, lane: int = 0,
-                        pipeline: bool = False) -> BulkChannel:
+                        chunk_bytes: int, io_timeout_s: float, lane: int = 0) -> BulkChannel:
     """Client side: connect lane ``lane`` to the announced bulk port and prove the session."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -66,7 +65,7 @@ async def attach_client(host: str, port: int, token: bytes, session: Session,
         expected = BULK_MAGIC + session.channel_mac(lane_label(b"bulk server", lane), token)
         if not hmac.compare_digest(reply, expected):
             raise BulkAuthError("bulk channel server MAC does not verify")
-        return make_channel(sock, session, chunk_bytes, io_timeout_s, lane, pipeline)
+        return make_channel(sock, session, chunk_bytes, io_timeout_s, lane)
     except BaseException:
         sock.close()
         raise

@@ -121,8 +121,6 @@ class BulkPipe:
     def _join(self) -> None:
         for executor in (*self._out, *self._in):
             executor.shutdown(wait=True)
-        for channel in self.channels:
-            channel.join_threads()
 
 
 def _start_reader(nice: int) -> None:

@@ -71,8 +71,6 @@ class LinkConfig:
     bulk_lanes: int = 1
     # The most lanes this end grants a dialing peer (the rest of its ask is not granted).
     bulk_max_lanes: int = field(default_factory=default_bulk_lanes)
-    # Seal record n+1 while record n is being sent (a second thread per lane).
-    bulk_pipeline: bool = True
     # Linux: niceness of the thread that receives and decrypts bulk bodies. A decode
     # node raises it so KV ingestion yields the core to the running decode batch.
     bulk_reader_nice: int = 0

@@ -81,8 +81,8 @@ async def _attach_bulk(host: str, hs: ClientHandshake,
         raise ProtocolError("peer announced an invalid bulk chunk size")
     tokens = [token, *_lane_tokens(extra, config.bulk_lanes)]
     attaching = [asyncio.ensure_future(attach_client(
-        host, port, lane_token, hs.session, chunk, config.bulk_io_timeout_s, lane,
-        config.bulk_pipeline)) for lane, lane_token in enumerate(tokens)]
+        host, port, lane_token, hs.session, chunk, config.bulk_io_timeout_s, lane))
+        for lane, lane_token in enumerate(tokens)]
     try:
         return list(await asyncio.gather(*attaching))
     except BaseException:  # a lane failed, or the deadline passed: release those attached

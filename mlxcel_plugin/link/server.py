@@ -225,7 +225,7 @@ class _Acceptor:
         socks = list(await asyncio.gather(*admission.bulk_futures))
         admission.taken = True  # the channels own the sockets from here
         bulk = [make_channel(sock, hs.session, self.config.bulk_chunk_bytes,
-                             self.config.bulk_io_timeout_s, lane, self.config.bulk_pipeline)
+                             self.config.bulk_io_timeout_s, lane)
                 for lane, sock in enumerate(socks)]
         return Link(ws, hs.session, self.config, bulk or None, local_role=self.role,
                     local_node_id=self.node_id)

@@ -37,9 +37,8 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 40))
 
 
-def lanes_config(asked: int = 1, granted: int = 4, pipeline: bool = True) -> LinkConfig:
-    return LinkConfig(bulk_lanes=asked, bulk_max_lanes=granted, bulk_chunk_bytes=RECORD,
-                      bulk_pipeline=pipeline)
+def lanes_config(asked: int = 1, granted: int = 4) -> LinkConfig:
+    return LinkConfig(bulk_lanes=asked, bulk_max_lanes=granted, bulk_chunk_bytes=RECORD)
 
 
 async def collect(into: list, kinds: list | None = None):
@@ -71,13 +70,12 @@ SIZES = (0, 1, RECORD - 1, RECORD, RECORD + 1, 3 * RECORD + 17, 5 * 1024 * KIB +
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 4])
-@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
-def test_bodies_arrive_identical_and_in_order_over_lanes(lanes, pipeline):
+def test_bodies_arrive_identical_and_in_order_over_lanes(lanes):
     async def main():
         got: list = []
         async with await serve(await collect(got), lanes_config(granted=4)) as server:
             link = await dial_link(server.address, SECRET, "prefill", "p1",
-                                   config=lanes_config(asked=lanes, pipeline=pipeline))
+                                   config=lanes_config(asked=lanes))
             bodies = [os.urandom(n) for n in SIZES]
             parts = [os.urandom(n) for n in (RECORD - 5, 0, 2 * RECORD + 9, 3)]
             for i, body in enumerate(bodies):
