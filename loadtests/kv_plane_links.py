@@ -37,16 +37,20 @@ WARM_FAULTS_PER_GIB, MAX_WARM_HANDOFFS = 8192, 8
 # A decode node also keeps each handed-off prompt in its prefix cache (the received buffers
 # themselves), so until that cache is full and evicts, every handoff lands in fresh pages:
 # 512-token handoffs took 14k faults each with the default 1 GiB cache filling, 70 with it
-# off. So warming may take as many more handoffs as the cache holds (at most this many).
+# off. And after another size it turns over: once the last of that size was evicted, 2k
+# handoffs after 8k ones landed warm, then one of the next ones cold again (0.59 against
+# 0.23 s over the 10 Gbit/s link). So warming goes on until the cache has turned over, at
+# most this many handoffs more.
 MAX_PREFIX_FILL_HANDOFFS = 24
 
 
-def max_warm_handoffs(kv_bytes: int, decode_sections: dict[str, dict[str, Any]] | None) -> int:
-    """Handoffs to warm up with at most: the decode node's prefix cache budget resolved as
-    the node resolves it (its ``[prefix_cache]`` table, ``MLXCEL_PREFIX_CACHE_BYTES``)."""
+def prefix_held(kv_bytes: int, decode_sections: dict[str, dict[str, Any]] | None) -> int:
+    """Handoffs of ``kv_bytes`` the decode node's prefix cache holds (at most
+    ``MAX_PREFIX_FILL_HANDOFFS``): its budget resolved as the node resolves it (its
+    ``[prefix_cache]`` table, ``MLXCEL_PREFIX_CACHE_BYTES``)."""
     section = (decode_sections or {}).get("prefix_cache", {})
     held = prefix_cache_config(os.environ, section, None).max_bytes // max(kv_bytes, 1)
-    return MAX_WARM_HANDOFFS + min(MAX_PREFIX_FILL_HANDOFFS, held)
+    return min(MAX_PREFIX_FILL_HANDOFFS, held)
 
 
 @dataclass
@@ -131,16 +135,16 @@ def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
 
 async def warm_handoffs(nodes: NodeSet, config: str, tokens: int, run: LinkRun) -> list:
     """Unmeasured handoffs of this size: the first lands in fresh pages (its receiver CPU is
-    reported as cold), then more until one lands warm (``WARM_FAULTS_PER_GIB``): the receive
-    pool turned over to this size (docs/bulk-lanes.md#receive-pool) and the prefix cache
-    filled (``max_warm_handoffs``). All of them, in order."""
+    reported as cold), then more until the prefix cache has turned over (more handoffs than
+    it holds: ``prefix_held``) and one lands warm (``WARM_FAULTS_PER_GIB``): the receive
+    pool turned over to this size (docs/bulk-lanes.md#receive-pool). All of them, in order."""
     pid, done = nodes.decode.process.pid, []
-    while len(done) < max_warm_handoffs(tokens * run.bytes_per_token,  # bounded
-                                        run.decode_sections):
+    held = prefix_held(tokens * run.bytes_per_token, run.decode_sections)
+    while len(done) < MAX_WARM_HANDOFFS + held:  # bounded
         before = proc_minor_faults(pid)
         done += await handoffs(nodes, config, tokens, 1, run.rng)
         faults = (proc_minor_faults(pid) - before) / (done[-1].kv_bytes / GIB)
-        if len(done) > 1 and faults < WARM_FAULTS_PER_GIB:
+        if len(done) > max(1, held) and faults < WARM_FAULTS_PER_GIB:
             break
     return done
 
