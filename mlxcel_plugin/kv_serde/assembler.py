@@ -108,6 +108,17 @@ class KVAssembler:
             self._fail()
             raise
 
+    def begin(self, header: HandoffHeader) -> None:
+        """``feed`` of the begin ``header`` was read from, by a receiver that read it first (to
+        admit the handoff): parsed once."""
+        if self._state != "waiting":
+            raise UnexpectedMessage(f"a begin for a handoff already {self._state}")
+        try:
+            self._start(header)
+        except HandoffError:
+            self._fail()
+            raise
+
     def progress(self) -> dict[str, Any]:
         """What has arrived and what is missing (for timeouts and logs)."""
         return {
@@ -164,7 +175,9 @@ class KVAssembler:
             if not self._same_begin(message):
                 raise UnexpectedMessage("a second, different begin for this handoff")
             return
-        header = HandoffHeader.from_message(message, self.limits.max_prompt_tokens)
+        self._start(HandoffHeader.from_message(message, self.limits.max_prompt_tokens))
+
+    def _start(self, header: HandoffHeader) -> None:
         self._check_identity(header)
         header.fingerprint.check_supported()
         header.fingerprint.check_matches(self.local)

@@ -199,7 +199,7 @@ class HandoffReceiver:
         ingest.join(link)
         self.ingests[handoff_id] = ingest
         try:
-            assembler.feed(begin)
+            assembler.begin(header)
         except HandoffError as exc:
             return self._refuse(ingest, exc)
         return None

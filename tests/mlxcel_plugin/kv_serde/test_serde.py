@@ -213,6 +213,21 @@ def test_an_identical_duplicate_begin_is_accepted_even_after_completion():
     assert_caches_equal(result.cache, cache)
 
 
+def test_a_begin_parsed_by_the_receiver_starts_the_handoff_as_its_message_would():
+    messages, cache = messages_for()
+    assembler = KVAssembler(FP, CODECS)
+    assembler.begin(HandoffHeader.from_message(messages[0]))
+    assert_caches_equal(feed_all(messages[1:], assembler).cache, cache)
+    with pytest.raises(UnexpectedMessage, match="already done"):
+        assembler.begin(HandoffHeader.from_message(messages[0]))
+    mismatched, _ = messages_for(fp=make_fingerprint(3, 2, 128, "float16"))
+    refusing = KVAssembler(FP, CODECS)
+    with pytest.raises(FingerprintMismatch):
+        refusing.begin(HandoffHeader.from_message(mismatched[0]))
+    with pytest.raises(UnexpectedMessage, match="already failed"):
+        refusing.feed(messages[1])
+
+
 def test_allocation_is_per_layer_and_bounded_by_what_arrived():
     messages, _ = messages_for()
     assembler = KVAssembler(FP, CODECS)
