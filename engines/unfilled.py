@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -48,6 +50,9 @@ _ALIGN_BYTES = 4096  # views start on page boundaries of the slab (which starts 
 # and MLX's it started) fell from 26-31 to 10-17 ms at 1k tokens, 17-21 to 12-13 at 512
 # (bench_kv_plane, alternating).
 OWN_ALLOCATION_BYTES = 1024 * 1024
+# The MLX storage dtypes received K/V come in, as safetensors names them (unfilled_vectors).
+_SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16",
+                       mx.uint16: "U16", mx.uint32: "U32", mx.uint8: "U8"}
 # Slab memory faulted in ahead of the next view (SlabCarver.prefault), and how much of it one
 # engine iteration faults while sequences decode (~0.25 ms of CPU here; idle: all of it).
 PREFAULT_AHEAD_BYTES = 16 * 1024 * 1024
@@ -55,17 +60,33 @@ PREFAULT_STEP_BYTES = 256 * 1024
 
 
 class _HeaderOnly(io.RawIOBase):
-    """A ``.npy`` stream whose data bytes are never written: reads past the header are no-ops."""
+    """A file of ``header`` then ``data_bytes`` never written: reads past the header are
+    no-ops."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, header: bytes, data_bytes: int):
+        self._header = header
+        self._size = len(header) + data_bytes
+        self._at = 0
+
+    @classmethod
+    def npy(cls, shape: tuple[int, ...], dtype: np.dtype) -> _HeaderOnly:
+        """One ``.npy`` array of ``shape`` and ``dtype``."""
         header = io.BytesIO()
         descr = np.lib.format.dtype_to_descr(dtype)
         np.lib.format.write_array_header_1_0(
             header, {"descr": descr, "fortran_order": False, "shape": shape}
         )
-        self._header = header.getvalue()
-        self._size = len(self._header) + math.prod(shape) * dtype.itemsize
-        self._at = 0
+        return cls(header.getvalue(), math.prod(shape) * dtype.itemsize)
+
+    @classmethod
+    def safetensors(cls, code: str, elements: int, itemsize: int, count: int) -> _HeaderOnly:
+        """``count`` 1-D tensors "0", "1", ... of ``elements`` each, safetensors dtype ``code``."""
+        size = elements * itemsize
+        meta = {str(i): {"dtype": code, "shape": [elements],
+                         "data_offsets": [i * size, (i + 1) * size]} for i in range(count)}
+        header = json.dumps(meta).encode()
+        header += b" " * (-len(header) % 8)
+        return cls(struct.pack("<Q", len(header)) + header, count * size)
 
     def readable(self) -> bool:
         return True
@@ -101,7 +122,7 @@ def unfilled_array(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
                    stream: mx.Stream) -> mx.array:
     """An evaluated MLX array of ``shape`` and ``storage``, its own allocation, unfilled."""
     try:
-        array = mx.load(_HeaderOnly(tuple(shape), dtype), format="npy", stream=stream)
+        array = mx.load(_HeaderOnly.npy(tuple(shape), dtype), format="npy", stream=stream)
         if array.shape == tuple(shape) and array.dtype == storage:
             return array
         logger.debug("mx.load gave %s %s; using mx.zeros", array.shape, array.dtype)
@@ -112,12 +133,36 @@ def unfilled_array(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype,
     return zeros
 
 
+def unfilled_vectors(elements: int, dtype: np.dtype, storage: mx.Dtype, count: int,
+                     stream: mx.Stream) -> list[mx.array]:
+    """``count`` evaluated 1-D arrays as ``unfilled_vector``'s, each its own allocation, in
+    one hop to MLX's I/O threads: the loads of a header-only ``.safetensors`` file.
+
+    Why: a decode node allocates a handoff's K and V per layer on its event loop, and
+    each hop waits for the GIL there: 0.1-0.2 ms each while the bulk readers run."""
+    code = _SAFETENSORS_DTYPES.get(storage)
+    if count > 1 and code is not None:
+        try:
+            loaded = mx.load(_HeaderOnly.safetensors(code, elements, dtype.itemsize, count),
+                             format="safetensors", stream=stream)
+            arrays = [loaded[str(i)] for i in range(count)]
+            mx.eval(arrays)
+            if all(a.shape == (elements,) and a.dtype == storage for a in arrays):
+                return arrays
+            logger.debug("safetensors load gave other arrays; loading one by one")
+        except (ValueError, RuntimeError, TypeError, KeyError) as exc:
+            logger.debug("batched unfilled allocation unavailable (%s)", exc)
+    return [unfilled_vector(elements, dtype, storage, stream) for _ in range(count)]
+
+
 def unfilled_from_cache_line(elements: int, dtype: np.dtype, storage: mx.Dtype,
-                             stream: mx.Stream) -> np.ndarray:
-    """A writable 1-D numpy view of ``elements`` of a fresh MLX allocation, unfilled, starting
-    on a cache line (MLX's own start is off one: ``mlxcel_plugin.cache_lines``)."""
-    raw = unfilled_vector(padded_elements(elements, dtype.itemsize), dtype, storage, stream)
-    return from_cache_line(np.array(raw, copy=False), elements)
+                             stream: mx.Stream, count: int = 1) -> list[np.ndarray]:
+    """``count`` writable 1-D numpy views of ``elements``, each of a fresh MLX allocation,
+    unfilled, starting on a cache line (MLX's own start is off one:
+    ``mlxcel_plugin.cache_lines``)."""
+    raws = unfilled_vectors(padded_elements(elements, dtype.itemsize), dtype, storage, count,
+                            stream)
+    return [from_cache_line(np.array(raw, copy=False), elements) for raw in raws]
 
 
 def own_buffers(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype, count: int,
@@ -130,8 +175,8 @@ def own_buffers(shape: tuple[int, ...], dtype: np.dtype, storage: mx.Dtype, coun
     allocation does not stop that: adopted, it is the allocation's only array.
     """
     out = []
-    for _ in range(count):
-        view = unfilled_from_cache_line(math.prod(shape), dtype, storage, stream).reshape(shape)
+    for vector in unfilled_from_cache_line(math.prod(shape), dtype, storage, stream, count):
+        view = vector.reshape(shape)
         advise_huge_pages(view)  # before any byte is written: 2 MiB faults, not 4 KiB
         out.append(view)
     return out
@@ -222,7 +267,7 @@ class SlabCarver:
 
     def _new_slab(self, dtype: np.dtype, storage: mx.Dtype, elements: int) -> _Slab:
         size = max(elements, self._slab_bytes // dtype.itemsize)
-        return _Slab(unfilled_from_cache_line(size, dtype, storage, self._stream))
+        return _Slab(unfilled_from_cache_line(size, dtype, storage, self._stream)[0])
 
 
 def mlx_view(x: np.ndarray, stream: mx.Stream | None = None) -> mx.array | None:

@@ -38,6 +38,7 @@ from mlxcel_plugin.kv_serde.errors import (
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_ENCODED, HandoffHeader, ModelFingerprint
 from mlxcel_plugin.kv_serde.landing import ChunkKey, LandedDecode, landing_for
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
+from mlxcel_plugin.kv_serde.layer_stock import LayerStock
 from mlxcel_plugin.kv_serde.messages import (
     ChunkHeader,
     EndHeader,
@@ -80,6 +81,7 @@ class KVAssembler:
         self.min_epoch = min_epoch
         self.expected_request_id = expected_request_id
         self.memory = memory or ReceiveMemory()
+        self._stock = LayerStock(self.memory)  # later layers' buffers, taken with the first
         self.adopt = adopt
         self.header: HandoffHeader | None = None
         self.allocated_bytes = 0
@@ -166,6 +168,7 @@ class KVAssembler:
         self._layers.clear()
         self._landing.clear()
         self._placed.clear()
+        self._stock.release()
         self.allocated_bytes = 0
 
     # -- begin -------------------------------------------------------------
@@ -346,7 +349,8 @@ class KVAssembler:
             size = spec.nbytes(room)
         else:
             room = 0
-        buffers = layer_buffers(self.memory, spec, descriptor.tokens, room)
+        buffers = layer_buffers(self._stock, spec, descriptor.tokens, room,
+                                lambda: self._layers_ahead(index, size))
         rows = {a.name: a.rows(descriptor.tokens) for a in spec.arrays}
         layer = ReceivedLayer(
             descriptor=descriptor,
@@ -361,6 +365,16 @@ class KVAssembler:
         self._layers[index] = layer
         self.allocated_bytes += size
         return layer
+
+    def _layers_ahead(self, index: int, size: int) -> int:
+        """Later layers whose buffers layer ``index``'s allocation may take too: those not
+        begun of the same spec and cache class (a handoff's layers mostly share both), as
+        many as the byte budget holds beside what is allocated and taken ahead already."""
+        fp, spec, kind = self.local, self.local.layers[index], self.local.cache_classes[index]
+        alike = sum(1 for j in range(index + 1, fp.num_layers) if j not in self._layers
+                    and fp.layers[j] == spec and fp.cache_classes[j] == kind)
+        room = self.limits.max_bytes - self.allocated_bytes - self._stock.held_bytes - size
+        return max(0, min(alike, room // max(size, 1)))
 
     # -- end ---------------------------------------------------------------
 
@@ -394,6 +408,7 @@ class KVAssembler:
         self._state, state = "done", SerializableCacheState(self._begun(), self._cache_state())
         self._layers.clear()  # the state holds them: a view kept here makes MLX copy at decode
         self._placed.clear()
+        self._stock.release()
         return state
 
     def _cache_state(self) -> CacheState:

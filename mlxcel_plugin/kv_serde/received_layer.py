@@ -9,6 +9,7 @@ after the whole cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,8 @@ from mlxcel_plugin.kv_serde.header import (
     HandoffHeader,
 )
 from mlxcel_plugin.kv_serde.layer_spec import LayerSpec
+from mlxcel_plugin.kv_serde.layer_stock import LayerStock
 from mlxcel_plugin.kv_serde.messages import LayerDescriptor
-from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 from mlxcel_plugin.link.protocol.checksum import crc32, crc32_combine
 
 
@@ -125,21 +126,23 @@ def row_segments(tensor: np.ndarray, row: int, rows: int) -> list[np.ndarray]:
     return pieces
 
 
-def layer_buffers(memory: ReceiveMemory, spec: LayerSpec, tokens: int,
-                  room_tokens: int = 0) -> list[np.ndarray]:
+def layer_buffers(memory: LayerStock, spec: LayerSpec, tokens: int,
+                  room_tokens: int = 0,
+                  ahead: Callable[[], int] = lambda: 0) -> list[np.ndarray]:
     """One receive buffer per array of the layer, in spec order (K and V taken together).
 
     ``room_tokens`` > ``tokens`` (plain K/V only): each buffer is allocated for that many
     positions and the layer's tensors are its first ``tokens`` of each head, so the
-    engine's first decode steps write into the buffer the handoff landed in.
+    engine's first decode steps write into the buffer the handoff landed in. Arrays of one
+    shape and dtype are taken for ``ahead()`` more layers too (``LayerStock``).
     """
     if room_tokens > tokens and _has_room(spec):
         full = memory.take(spec.arrays[0].shape_for(room_tokens), spec.arrays[0].storage,
-                           len(spec.arrays))
+                           len(spec.arrays), ahead)
         return [buffer[:, :, :tokens, :] for buffer in full]
     shapes = [a.shape_for(tokens) for a in spec.arrays]
     if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
-        return memory.take(shapes[0], spec.arrays[0].storage, len(shapes))
+        return memory.take(shapes[0], spec.arrays[0].storage, len(shapes), ahead)
     # MLA, SSM and quantized layers: arrays of different shapes or dtypes.
     pairs = zip(spec.arrays, shapes, strict=True)
     return [memory.take(shape, a.storage, 1)[0] for a, shape in pairs]

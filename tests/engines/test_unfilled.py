@@ -127,7 +127,7 @@ def test_an_mlx_that_cannot_load_from_a_stream_gets_zero_filled_memory(monkeypat
 
 
 def test_the_header_only_stream_leaves_the_data_bytes_as_found():
-    stream = unfilled._HeaderOnly((4,), np.dtype(np.float32))
+    stream = unfilled._HeaderOnly.npy((4,), np.dtype(np.float32))
     head = bytearray(128)
     assert stream.readinto(head) == 128 and head.startswith(b"\x93NUMPY")
     data = bytearray(b"\xaa" * 16)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 import zlib
 
 import numpy as np
@@ -10,9 +12,11 @@ import pytest
 
 from mlxcel_plugin.builtin_plugin import builtin_codecs
 from mlxcel_plugin.engine_api import CacheLayer, kv_buffer_maker, layer_adopter
+from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_codecs import resolve_codec
 from mlxcel_plugin.kv_serde import (
     AdoptFailed,
+    AssemblerLimits,
     BufferPool,
     KVAssembler,
     ReceiveMemory,
@@ -122,8 +126,10 @@ class EngineMemory:
     """Stands in for an engine's kv_buffers: hands out (and records) arrays it owns."""
 
     made: list[np.ndarray] = dataclasses.field(default_factory=list)
+    calls: int = 0
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> list[np.ndarray]:
+        self.calls += 1
         self.made += [np.empty(shape, dtype=dtype) for _ in range(count)]
         return self.made[-count:]
 
@@ -138,6 +144,36 @@ def test_layers_are_received_into_the_engines_buffers():
         assert any(seen.keys is made for made in memory.made)
         assert any(seen.values is made for made in memory.made)
     assert_caches_equal(result.cache, cache)
+
+
+def test_a_handoffs_layers_take_the_engines_buffers_in_one_call_within_the_budget():
+    """Each call to the engine's buffer maker is a hop to MLX's threads: the first layer takes
+    the K and V of every later layer of its shape too, never more than the budget holds."""
+    messages, cache = handoff()
+    memory = EngineMemory()
+    limits = AssemblerLimits(max_bytes=FP.kv_bytes(TOKENS))  # exactly the handoff
+    assembler = KVAssembler(FP, CODECS, limits, memory=ReceiveMemory(make_buffers=memory),
+                            adopt=CopyingAdopter())
+    result = [r for r in map(assembler.feed, messages) if r is not None][0]
+    assert memory.calls == 1 and len(memory.made) == 2 * FP.num_layers
+    assert sum(b.nbytes for b in memory.made) <= limits.max_bytes
+    assert_caches_equal(result.cache, cache)
+
+
+def test_a_refused_handoff_drops_the_buffers_taken_ahead():
+    messages, _ = handoff()
+    memory = EngineMemory()
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffers=memory))
+    first_chunk = next(i for i, m in enumerate(messages) if m.kind == "chunk")
+    for message in messages[: first_chunk + 1]:
+        assembler.feed(message)
+    assert len(memory.made) == 2 * FP.num_layers  # layer 0's and the later layers'
+    taken_ahead = [weakref.ref(b) for b in memory.made[2:]]
+    memory.made.clear()
+    with pytest.raises(HandoffError):
+        assembler.feed(messages[first_chunk])  # the same chunk again: refused
+    gc.collect()
+    assert all(ref() is None for ref in taken_ahead)
 
 
 @pytest.mark.parametrize(
