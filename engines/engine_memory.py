@@ -7,7 +7,7 @@ GiB here: 4 KiB pages, or huge pages the kernel compacts memory for; the link's
 own work is ~0.3 s). So the limit is the **receive pool**'s (``[engine]
 receive_pool_bytes``, auto: at most 2 GiB and a quarter of the KV budget:
 ``pool.receive_pool_bytes_for``): a finished handoff's buffers stay faulted in
-for the next one (sizes on a grid: ``received_layer.room_grid``). Never the
+for the next one (sizes on a grid: ``kv_serde.layer_buffers.room_grid``). Never the
 whole KV budget: after a benchmark a decode node holding that much of a 135M
 model's memory sat at 4.3 GB RSS. MLX frees anything beyond the limit at once.
 What it keeps stays warm while the node serves: once the engine has had

@@ -4,7 +4,7 @@ Why: mlx-lm's ``KVCache`` grows by concatenating when it is full, so a cache
 adopted at exactly its prompt's length copied every received byte (1 GiB at
 8k tokens of an 8B model's KV, into fresh pages) at its first decode step.
 A decode node's receive buffers are allocated with room past the next step
-(``kv_serde.received_layer.layer_buffers``, ``ROOM_STEP``); the adopted layer
+(``kv_serde.layer_buffers.layer_buffers``, ``ROOM_STEP``); the adopted layer
 still shows ``[1, heads, T, dim]`` as ``CacheLayer`` promises, and this
 module remembers the whole buffer behind each such view until the engine
 rebuilds its cache from it (``kv_convert.from_cache_layer``), which then holds

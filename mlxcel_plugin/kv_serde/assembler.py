@@ -37,16 +37,11 @@ from mlxcel_plugin.kv_serde.errors import (
 )
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_ENCODED, HandoffHeader, ModelFingerprint
 from mlxcel_plugin.kv_serde.landing import ChunkKey, LandedDecode, landing_for
+from mlxcel_plugin.kv_serde.layer_buffers import LayerStock, layer_allocation
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
-from mlxcel_plugin.kv_serde.layer_stock import LayerStock
-from mlxcel_plugin.kv_serde.messages import (
-    ChunkHeader,
-    EndHeader,
-    KVMessage,
-    LayerDescriptor,
-)
+from mlxcel_plugin.kv_serde.messages import ChunkHeader, EndHeader, KVMessage, LayerDescriptor
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
-from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer, layer_buffers, room_tokens
+from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
 
@@ -111,8 +106,7 @@ class KVAssembler:
             raise
 
     def begin(self, header: HandoffHeader) -> None:
-        """``feed`` of the begin ``header`` was read from, by a receiver that read it first (to
-        admit the handoff): parsed once."""
+        """``feed`` of the begin ``header`` came from, parsed once by a receiver admitting it."""
         if self._state != "waiting":
             raise UnexpectedMessage(f"a begin for a handoff already {self._state}")
         try:
@@ -340,17 +334,9 @@ class KVAssembler:
 
     def _allocate(self, index: int, descriptor: LayerDescriptor) -> ReceivedLayer:
         fp, spec = self.local, self.local.layers[index]
-        size = spec.nbytes(descriptor.tokens)
-        if self.allocated_bytes + size > self.limits.max_bytes:
-            raise OversizeDeclared(f"layer {index} would exceed the byte budget")
-        room = room_tokens(self.memory.room_step, self._begun(), fp.cache_classes[index],
-                           descriptor)
-        if room and self.allocated_bytes + spec.nbytes(room) <= self.limits.max_bytes:
-            size = spec.nbytes(room)
-        else:
-            room = 0
-        buffers = layer_buffers(self._stock, spec, descriptor.tokens, room,
-                                lambda: self._layers_ahead(index, size))
+        buffers, size = layer_allocation(self._stock, fp, index, descriptor, self._begun(),
+                                         self.allocated_bytes, self.limits.max_bytes,
+                                         self._layers)
         rows = {a.name: a.rows(descriptor.tokens) for a in spec.arrays}
         layer = ReceivedLayer(
             descriptor=descriptor,
@@ -365,16 +351,6 @@ class KVAssembler:
         self._layers[index] = layer
         self.allocated_bytes += size
         return layer
-
-    def _layers_ahead(self, index: int, size: int) -> int:
-        """Later layers whose buffers layer ``index``'s allocation may take too: those not
-        begun of the same spec and cache class (a handoff's layers mostly share both), as
-        many as the byte budget holds beside what is allocated and taken ahead already."""
-        fp, spec, kind = self.local, self.local.layers[index], self.local.cache_classes[index]
-        alike = sum(1 for j in range(index + 1, fp.num_layers) if j not in self._layers
-                    and fp.layers[j] == spec and fp.cache_classes[j] == kind)
-        room = self.limits.max_bytes - self.allocated_bytes - self._stock.held_bytes - size
-        return max(0, min(alike, room // max(size, 1)))
 
     # -- end ---------------------------------------------------------------
 
@@ -413,16 +389,3 @@ class KVAssembler:
 
     def _cache_state(self) -> CacheState:
         return CacheState([layer.cache_layer() for _, layer in sorted(self._layers.items())])
-
-
-def assemble_messages(messages: list[KVMessage], local: ModelFingerprint,
-                      codecs: Mapping[str, KVCodec],
-                      limits: AssemblerLimits | None = None) -> SerializableCacheState:
-    """Feed a complete message list (in arrival order) and return the handoff."""
-    assembler = KVAssembler(local, codecs, limits)
-    result = None
-    for message in messages:
-        result = assembler.feed(message) or result
-    if result is None:
-        raise TruncatedLayer(f"handoff incomplete: {assembler.progress()}")
-    return result

@@ -2,7 +2,7 @@
 
 A raw (identity-codec) body that the link wrote straight into the layer buffer
 (``KVAssembler.chunk_destination``) occupies its rows already: nothing to copy. A
-buffer with room after each head's tokens (``received_layer.layer_buffers``) takes
+buffer with room after each head's tokens (``layer_buffers.layer_buffers``) takes
 a chunk's rows as per-head pieces.
 """
 

@@ -9,7 +9,6 @@ after the whole cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +17,6 @@ import numpy as np
 from mlxcel_plugin.engine_api import CacheLayer, LayerAdopter
 from mlxcel_plugin.errors import HandoffError
 from mlxcel_plugin.kv_serde.errors import AdoptFailed
-from mlxcel_plugin.kv_serde.header import (
-    CHECKSUM_OF_ENCODED,
-    CHECKSUM_OF_HELD,
-    HandoffHeader,
-)
-from mlxcel_plugin.kv_serde.layer_spec import LayerSpec
-from mlxcel_plugin.kv_serde.layer_stock import LayerStock
 from mlxcel_plugin.kv_serde.messages import LayerDescriptor
 from mlxcel_plugin.link.protocol.checksum import crc32, crc32_combine
 
@@ -124,70 +116,3 @@ def row_segments(tensor: np.ndarray, row: int, rows: int) -> list[np.ndarray]:
         pieces.append(tensor[0, head, token : token + n])
         row += n
     return pieces
-
-
-def layer_buffers(memory: LayerStock, spec: LayerSpec, tokens: int,
-                  room_tokens: int = 0,
-                  ahead: Callable[[], int] = lambda: 0) -> list[np.ndarray]:
-    """One receive buffer per array of the layer, in spec order (K and V taken together).
-
-    ``room_tokens`` > ``tokens`` (plain K/V only): each buffer is allocated for that many
-    positions and the layer's tensors are its first ``tokens`` of each head, so the
-    engine's first decode steps write into the buffer the handoff landed in. Arrays of one
-    shape and dtype are taken for ``ahead()`` more layers too (``LayerStock``).
-    """
-    if room_tokens > tokens and _has_room(spec):
-        full = memory.take(spec.arrays[0].shape_for(room_tokens), spec.arrays[0].storage,
-                           len(spec.arrays), ahead)
-        return [buffer[:, :, :tokens, :] for buffer in full]
-    shapes = [a.shape_for(tokens) for a in spec.arrays]
-    if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
-        return memory.take(shapes[0], spec.arrays[0].storage, len(shapes), ahead)
-    # MLA, SSM and quantized layers: arrays of different shapes or dtypes.
-    pairs = zip(spec.arrays, shapes, strict=True)
-    return [memory.take(shape, a.storage, 1)[0] for a, shape in pairs]
-
-
-def room_tokens(step: int, header: HandoffHeader, kind: str, descriptor: LayerDescriptor) -> int:
-    """Positions to allocate a plain KVCache layer for: past its tokens, on the room grid
-    (``room_grid``), so decode writes into what was received; 0: none.
-
-    Only a full handoff whose checksums (if any) cover what was sent: raw bodies without
-    (v4, AES-GCM authenticates them) or a lossy codec's bodies (``checksum_of =
-    "encoded"``: combined from each body's crc as it landed). Checksums of the held bytes
-    would read back each tensor, whose chunks land in per-head pieces.
-    """
-    if (not step or _reads_held_bytes(header) or header.prefix_tokens
-            or kind != "KVCache" or descriptor.tokens != descriptor.offset):
-        return 0
-    return room_grid(descriptor.tokens + 1, step)
-
-
-def room_grid(tokens: int, step: int) -> int:
-    """The fewest positions >= ``tokens`` that are whole ``step``s on a grid of eighths of an
-    octave (8k tokens: 9216; 2k: 2304): at most 1/8 more than asked, beyond the step.
-
-    Why a grid: MLX reuses a freed buffer (warm pages) only for an allocation within two
-    pages of its size, so buffers sized to the prompt's own step were reused only by
-    prompts in the same 256-token step; sizes on a coarse grid are shared by every prompt
-    within an eighth of an octave, and the extra positions are decode room (written in
-    place) that the handoff's KV budget already counts.
-    """
-    steps = -(-tokens // step)
-    unit = 1 << max(0, steps.bit_length() - 4)  # an eighth of the octave ``steps`` is in
-    return -(-steps // unit) * unit * step
-
-
-def _reads_held_bytes(header: HandoffHeader) -> bool:
-    """Whether checking this handoff's checksums reads each received tensor back: checksums
-    of the held bytes, or of the bodies where crcs cannot be combined (no ISA-L)."""
-    return (header.checksum_of == CHECKSUM_OF_HELD
-            or (header.checksum_of == CHECKSUM_OF_ENCODED and crc32_combine is None))
-
-
-def _has_room(spec: LayerSpec) -> bool:
-    """K and V of one shape and dtype, growing along axis 2 of four."""
-    arrays = spec.arrays
-    return (tuple(a.name for a in arrays) == ("k", "v") and all(a.grow_axis == 2 for a in arrays)
-            and len({(a.shape, a.storage) for a in arrays}) == 1 and len(arrays[0].shape) == 4
-            and arrays[0].shape[0] == 1)

@@ -293,7 +293,7 @@ def test_room_sizes_sit_on_a_grid_an_eighth_of_an_octave_apart():
     """Receive buffers are sized so that prompts of nearby lengths share a size (MLX reuses
     a freed buffer only for an allocation of about its size): past the tokens, whole steps,
     at most an eighth more than asked beyond the step."""
-    from mlxcel_plugin.kv_serde.received_layer import room_grid
+    from mlxcel_plugin.kv_serde.layer_buffers import room_grid
 
     step = 256
     assert [room_grid(t, step) for t in (1, 256, 257, 2049, 4097, 8193, 32769)] == [
