@@ -45,20 +45,22 @@ class LayerStock:
     def take(self, shape: tuple[int, ...], dtype: np.dtype, count: int,
              ahead: Callable[[], int] = lambda: 0) -> list[np.ndarray]:
         """``count`` buffers of ``shape`` (contents undefined): those taken ahead by an earlier
-        call, else fresh, with ``ahead()`` x ``count`` more kept for the next calls (asked
-        only then: once per shape and handoff)."""
+        call, else fresh, with ``ahead()`` x ``count`` more kept for the next calls of this
+        shape (asked only then)."""
         key = (tuple(shape), np.dtype(dtype))
         held = self._held.get(key, [])
         if len(held) >= count:
             taken, self._held[key] = held[:count], held[count:]
             self.held_bytes -= sum(buffer.nbytes for buffer in taken)
             return taken
+        # A layer of another shape: what was taken ahead went unused. Dropped, so that
+        # memory in hand never exceeds what the handoff's budget counts.
+        self.release()
         more = ahead() if self.memory.make_buffers is not None else 0
         buffers = self.memory.take(shape, dtype, count * (1 + more))
-        kept = buffers[count:]
-        if kept:
-            self._held[key] = held + kept
-            self.held_bytes += sum(buffer.nbytes for buffer in kept)
+        if len(buffers) > count:
+            self._held[key] = buffers[count:]
+            self.held_bytes = sum(buffer.nbytes for buffer in buffers[count:])
         return buffers[:count]
 
     def release(self) -> None:

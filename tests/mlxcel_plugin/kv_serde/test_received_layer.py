@@ -22,6 +22,7 @@ from mlxcel_plugin.kv_serde import (
     ReceiveMemory,
     SerializableCacheState,
 )
+from mlxcel_plugin.kv_serde.layer_buffers import LayerStock
 from mlxcel_plugin.link.protocol.checksum import crc32
 from mlxcel_plugin.testing.caches import (
     assert_caches_equal,
@@ -174,6 +175,24 @@ def test_a_refused_handoff_drops_the_buffers_taken_ahead():
         assembler.feed(messages[first_chunk])  # the same chunk again: refused
     gc.collect()
     assert all(ref() is None for ref in taken_ahead)
+
+
+def test_buffers_taken_ahead_for_a_shape_no_later_layer_asks_for_are_dropped():
+    """Memory in hand stays within what the budget counted: a layer of another shape drops
+    what was taken ahead before it takes its own."""
+    memory = EngineMemory()
+    stock = LayerStock(ReceiveMemory(make_buffers=memory))
+    first = stock.take((1, 2, 8, 4), np.dtype(np.float16), 2, lambda: 3)
+    assert len(memory.made) == 8 and stock.held_bytes == 6 * first[0].nbytes
+    unused = [weakref.ref(b) for b in memory.made[2:]]
+    memory.made.clear()
+    other = stock.take((1, 2, 16, 4), np.dtype(np.float16), 2, lambda: 1)
+    gc.collect()
+    assert all(ref() is None for ref in unused)
+    assert stock.held_bytes == 2 * other[0].nbytes
+    again = stock.take((1, 2, 16, 4), np.dtype(np.float16), 2)
+    assert [id(b) for b in again] == [id(b) for b in memory.made[2:]]  # the ones taken ahead
+    assert stock.held_bytes == 0 and memory.calls == 2
 
 
 @pytest.mark.parametrize(
