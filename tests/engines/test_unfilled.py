@@ -126,6 +126,26 @@ def test_an_mlx_that_cannot_load_from_a_stream_gets_zero_filled_memory(monkeypat
     assert not np.array(vector).any()
 
 
+def test_several_vectors_come_from_one_load_or_one_by_one_when_mlx_refuses(monkeypatch):
+    stream = mx.new_stream(mx.cpu)
+    vectors = unfilled.unfilled_vectors(4096, np.dtype(np.uint16), mx.uint16, 3, stream)
+    addresses = {np.array(v, copy=False).ctypes.data for v in vectors}
+    assert [v.shape for v in vectors] == [(4096,)] * 3 and len(addresses) == 3
+    formats = []
+    load = unfilled.mx.load
+
+    def npy_only(stream_or_path, format=None, **kwargs):
+        formats.append(format)
+        if format == "safetensors":
+            raise ValueError("[load_safetensors] this MLX reads no streams")
+        return load(stream_or_path, format=format, **kwargs)
+
+    monkeypatch.setattr(unfilled.mx, "load", npy_only)
+    vectors = unfilled.unfilled_vectors(16, np.dtype(np.float16), mx.float16, 2, stream)
+    assert [(v.shape, v.dtype) for v in vectors] == [((16,), mx.float16)] * 2
+    assert formats == ["safetensors", "npy", "npy"]
+
+
 def test_the_header_only_stream_leaves_the_data_bytes_as_found():
     stream = unfilled._HeaderOnly.npy((4,), np.dtype(np.float32))
     head = bytearray(128)
