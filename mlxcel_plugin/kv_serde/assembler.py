@@ -14,7 +14,7 @@ adopter (e.g. MLX arrays) at once: both overlap the rest of the transfer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,18 +99,18 @@ class KVAssembler:
         """Apply one message; returns the assembled handoff once it is complete and verified."""
         if self._state == "failed":
             raise UnexpectedMessage("this handoff already failed")
-        try:
-            return self._dispatch(message)
-        except HandoffError:
-            self._fail()
-            raise
+        return self._failing_on_refusal(self._dispatch, message)
 
     def begin(self, header: HandoffHeader) -> None:
         """``feed`` of the begin ``header`` came from, parsed once by a receiver admitting it."""
         if self._state != "waiting":
             raise UnexpectedMessage(f"a begin for a handoff already {self._state}")
+        self._failing_on_refusal(self._start, header)
+
+    def _failing_on_refusal(self, step: Callable[[Any], Any], arg: Any) -> Any:
+        """``step(arg)``; a refusal is final: the handoff fails and its buffers go."""
         try:
-            self._start(header)
+            return step(arg)
         except HandoffError:
             self._fail()
             raise
