@@ -39,7 +39,11 @@ from mlxcel_plugin.link import (
 )
 from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType
 from mlxcel_plugin.link.tcp_chrono import Counts, busiest_since
-from mlxcel_plugin.nodes.kv_wire import announced_serde_versions, frames_for
+from mlxcel_plugin.nodes.kv_wire import (
+    announced_serde_versions,
+    frame_chunk_bytes,
+    frames_for,
+)
 from mlxcel_plugin.transfer import TransferStrategy, sends_rows_ahead
 from mlxcel_plugin.transfer.pacing import LinkSample
 
@@ -197,11 +201,13 @@ class OutgoingHandoff:
         try:
             lanes = self._links = await lanes_task
             feeds = [LaneFeed(link, self._sent, self._lane_failed) for link in lanes]
+            bodies_in_parallel = sum(max(1, link.bulk_lanes) for link in lanes)
             finished = False
             while not finished:  # ends with finish()
                 messages, finished = await self._queued()
                 # What queued up while the last frames went out shares frames now.
-                for lane, frame in frames_for(messages, self.first_token):
+                joined = frame_chunk_bytes(messages, bodies_in_parallel)
+                for lane, frame in frames_for(messages, self.first_token, joined):
                     feeds[lane % len(feeds)].put(frame)
             for feed in feeds:
                 await feed.close()  # every frame handed to its link

@@ -6,11 +6,14 @@ bodies back to back (a ``BodyParts`` when sent). Why several: each frame costs
 both ends a link round of bookkeeping (~0.7 ms of the decode node's event loop
 for a 16 MiB frame of an 8B model's shape), and a 64 MiB cache of SmolLM2's shape
 is 60 tensors of ~1 MiB. ``frames_for`` joins consecutive chunks for the same
-lane up to ``FRAME_CHUNK_BYTES``; it never waits for more. Not larger: each frame's
-body goes on one bulk lane, and 64 MiB frames, which saved the decode node's loop
-~6 ms per 2k-token handoff of an 8B model's shape, would leave a handoff under
-64 MiB on one lane and one under 256 MiB on fewer than four
-(docs/bulk-lanes.md#bodies-on-lanes).
+lane up to a byte bound; it never waits for more. ``frame_chunk_bytes`` sizes that
+bound to what is queued: as large as leaves every bulk lane a body of its own, from
+``FRAME_CHUNK_BYTES`` up to ``FRAME_MAX_CHUNK_BYTES``, since each frame's body goes on
+one lane (a handoff under 64 MiB in one 64 MiB frame would use one lane of several).
+Why larger when there is enough: 64 MiB frames against 16 MiB ones saved the decode
+node's event loop 4 ms per 2k-token handoff of an 8B model's shape and 19 ms per
+8k-token one (docs/bulk-lanes.md#bodies-on-lanes). Not larger than 64 MiB: a frame's
+layers are adopted only once its whole body is in.
 
 ``KV_END`` frames also carry ``first_token``: a streamed handoff sends its
 begin before prefill has sampled the first token, so the token the decode
@@ -37,7 +40,8 @@ TYPE_TO_KIND = {frame_type: kind for kind, frame_type in KIND_TO_TYPE.items()}
 KV_TYPES = frozenset(KIND_TO_TYPE.values())
 FIRST_TOKEN_KEY = "first_token"
 CHUNKS_KEY = "chunks"
-FRAME_CHUNK_BYTES = 16 * 1024 * 1024  # chunk bodies joined into one frame, at most
+FRAME_CHUNK_BYTES = 16 * 1024 * 1024  # chunk bodies joined into one frame, at least this far
+FRAME_MAX_CHUNK_BYTES = 64 * 1024 * 1024  # ... and at most this far (frame_chunk_bytes)
 FRAME_MAX_CHUNKS = 64  # keeps a joined frame's header small
 _RECEIVE_MAX_CHUNKS = 1024  # what a receiver accepts in one frame
 
@@ -60,6 +64,15 @@ def chunks_frame(chunks: Sequence[KVMessage]) -> Frame:
         CHUNKS_KEY: [dict(chunk.header) for chunk in chunks],
     }
     return kv_frame(FrameType.KV_CHUNK, header, BodyParts([chunk.body for chunk in chunks]))
+
+
+def frame_chunk_bytes(messages: Sequence[KVMessage], bodies_in_parallel: int) -> int:
+    """How far ``frames_for`` joins ``messages``' chunks: their bytes spread over
+    ``bodies_in_parallel`` frames (the bulk lanes of every link they go on), within
+    ``FRAME_CHUNK_BYTES``..``FRAME_MAX_CHUNK_BYTES``."""
+    queued = sum(len(m.body) for m in messages if m.kind == "chunk")
+    per_lane = -(-queued // max(1, bodies_in_parallel))
+    return max(FRAME_CHUNK_BYTES, min(FRAME_MAX_CHUNK_BYTES, per_lane))
 
 
 def frames_for(

@@ -41,6 +41,7 @@ class FakeLane:
         self.fail, self.room = fail, room  # room: frames it takes before it is full
         self.queued_bytes = 0  # taken, not yet on the socket
         self.chronos = ()  # its connections' kernel clocks (none: no clock)
+        self.bulk_lanes = 0  # no bulk channel: bodies travel in its records
         if not stall:
             self.released.set()
 

@@ -5,8 +5,11 @@ import pytest
 from mlxcel_plugin.kv_serde import KVMessage, MalformedHandoff
 from mlxcel_plugin.link.protocol.frames import BodyParts, FrameType, Request
 from mlxcel_plugin.nodes.kv_wire import (
+    FRAME_CHUNK_BYTES,
+    FRAME_MAX_CHUNK_BYTES,
     chunk_destinations,
     end_first_token,
+    frame_chunk_bytes,
     frame_to_messages,
     frames_for,
     message_to_frame,
@@ -68,6 +71,23 @@ def test_chunks_are_not_joined_across_lanes_handoffs_or_the_byte_bound():
     assert groups == [(0, [0]), (1, [1, 2]), (1, [3]), (0, [4]), (0, [5])]
     # A frame of one chunk is that chunk's own frame, as a single-chunk sender sends it.
     assert frames[0][1].header == messages[0].header and bytes(frames[0][1].body) == b"aa"
+
+
+def test_frames_grow_with_what_is_queued_while_every_lane_keeps_a_body():
+    mib = 1024 * 1024
+    layer = memoryview(bytearray(4 * mib))  # one K or V of a 2k-token, 8B-shaped layer
+    handoff = [chunk(i, layer) for i in range(64)]  # 256 MiB
+    assert frame_chunk_bytes(handoff, bodies_in_parallel=2) == FRAME_MAX_CHUNK_BYTES == 64 * mib
+    frames = frames_for(handoff, max_chunk_bytes=frame_chunk_bytes(handoff, 2))
+    assert [len(f.body) for _, f in frames] == [64 * mib] * 4
+    # 96 MiB over two lanes: two 48 MiB frames, one per lane, not one 64 MiB and one 32 MiB.
+    assert frame_chunk_bytes(handoff[:24], 2) == 48 * mib
+    assert [len(f.body) for _, f in frames_for(handoff[:24], max_chunk_bytes=48 * mib)] == [
+        48 * mib, 48 * mib]
+    # Little queued (a streamed layer), or many lanes: the least bound, as before.
+    assert frame_chunk_bytes(handoff[:2], 2) == FRAME_CHUNK_BYTES
+    assert frame_chunk_bytes(handoff[:8], 4) == FRAME_CHUNK_BYTES
+    assert frame_chunk_bytes([begin(), end()], 0) == FRAME_CHUNK_BYTES
 
 
 def test_a_joined_frame_scattered_by_the_sink_splits_into_the_sinks_buffers():
