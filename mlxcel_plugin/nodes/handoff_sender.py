@@ -1,16 +1,15 @@
 """Prefill side of the KV handoff: links to decode nodes, ordered sends, acks.
 
-``DecodeLinks`` dials (and redials) the links to each decode node — lane i is
-the i-th link, for LayerParallel — reads KV_ACK frames off them and resolves
-the matching ``OutgoingHandoff``. An ``OutgoingHandoff`` is one attempt: the
-strategy's messages are queued as they are produced (``on_layer`` during
-prefill, for Streamed) and one task frames them, so the engine thread never
-waits on a socket; each lane's ``LaneFeed`` sends its frames in order, so a
-full or stalled lane holds up only its own.
+``DecodeLinks`` dials (and redials) the links to each decode node — lane i is the i-th link,
+for LayerParallel — reads KV_ACK frames off them and resolves the matching
+``OutgoingHandoff``. An ``OutgoingHandoff`` is one attempt: the strategy's messages are
+queued as they are produced (``on_layer`` during prefill, for Streamed) and one task frames
+them, so the engine thread never waits on a socket; each lane's ``LaneFeed`` sends its
+frames in order, so a full or stalled lane holds up only its own.
 
-The strategy's calls (where a codec encodes: int8 takes ~8 ms per 2k-token layer)
-run on the node's ``encoder`` thread, in order, not on the event loop: other
-requests' HTTP and link traffic keep flowing while a handoff encodes.
+The strategy's calls (where a codec encodes: int8 takes ~8 ms per 2k-token layer) run on
+the node's ``encoder`` thread, in order, not on the event loop: other requests' HTTP and link
+traffic keep flowing while a handoff encodes.
 """
 
 from __future__ import annotations
@@ -39,11 +38,7 @@ from mlxcel_plugin.link import (
 )
 from mlxcel_plugin.link.protocol.frames import Cancel, Frame, FrameType
 from mlxcel_plugin.link.tcp_chrono import Counts, busiest_since
-from mlxcel_plugin.nodes.kv_wire import (
-    announced_serde_versions,
-    frame_chunk_bytes,
-    frames_for,
-)
+from mlxcel_plugin.nodes.kv_wire import announced_serde_versions, frame_chunk_bytes, frames_for
 from mlxcel_plugin.transfer import TransferStrategy, sends_rows_ahead
 from mlxcel_plugin.transfer.pacing import LinkSample
 
@@ -201,13 +196,12 @@ class OutgoingHandoff:
         try:
             lanes = self._links = await lanes_task
             feeds = [LaneFeed(link, self._sent, self._lane_failed) for link in lanes]
-            bodies_in_parallel = sum(max(1, link.bulk_lanes) for link in lanes)
-            finished = False
+            parallel, finished = sum(max(1, link.bulk_lanes) for link in lanes), False
             while not finished:  # ends with finish()
                 messages, finished = await self._queued()
                 # What queued up while the last frames went out shares frames now.
-                joined = frame_chunk_bytes(messages, bodies_in_parallel)
-                for lane, frame in frames_for(messages, self.first_token, joined):
+                for lane, frame in frames_for(messages, self.first_token,
+                                              frame_chunk_bytes(messages, parallel)):
                     feeds[lane % len(feeds)].put(frame)
             for feed in feeds:
                 await feed.close()  # every frame handed to its link
