@@ -50,6 +50,8 @@ class BulkPipe:
                                        initializer=_start_reader, initargs=(reader_nice,))
                     for lane in range(len(channels))]
         self._next_lane = 0
+        # Done once the last read queued has ended; holds none of its body (``read_frame``).
+        self._last_read: asyncio.Future[None] | None = None
 
     @property
     def lanes(self) -> int:
@@ -90,9 +92,12 @@ class BulkPipe:
         """Read an announced body on its lane; the future gives its frame (None when the
         read failed, after ``fail`` was told, or was cancelled)."""
         body_read = self.read(bulk.n_bytes, into, bulk.lane)
-        frame: asyncio.Future[Frame | None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        frame: asyncio.Future[Frame | None] = loop.create_future()
+        self._last_read = read_over = loop.create_future()
 
         def arrived(done: asyncio.Future) -> None:
+            read_over.set_result(None)
             if frame.done():
                 return
             if done.cancelled():
@@ -106,6 +111,16 @@ class BulkPipe:
 
         body_read.add_done_callback(arrived)
         return frame
+
+    async def reads_done(self, timeout_s: float) -> None:
+        """Wait, up to ``timeout_s``, for every read queued so far to end.
+
+        Why not keep the last frame's future for this: its result is the frame, whose body
+        is views of the receiver's buffers; held until the next body, a decode node's last
+        frame of each handoff left its K/V shared, and MLX copied them at the first decode
+        step instead of writing the token in place."""
+        if self._last_read is not None:
+            await asyncio.wait({self._last_read}, timeout=timeout_s)
 
     async def stop(self) -> None:
         """Fail queued and running transfers on every lane, then release the sockets."""

@@ -92,7 +92,6 @@ class Link:
         self._records = RecordReader(config.max_frame_bytes, bulk=bool(lanes),
                                      name=local_node_id, lanes=max(1, len(lanes)))
         self._head: object | None = None
-        self._last_bulk_read: asyncio.Future | None = None
         self._body_sink: BodySink | None = None
         self._delivery: FrameDelivery | None = None  # set by deliver_to
         self._done = asyncio.Event()
@@ -361,8 +360,8 @@ class Link:
         self._spawn_fail((exc, code))
 
     async def _finish_bulk_reads(self) -> None:
-        if self._last_bulk_read is not None:
-            await asyncio.wait({self._last_bulk_read}, timeout=self._config.close_timeout_s)
+        if self._bulk is not None:
+            await self._bulk.reads_done(self._config.close_timeout_s)
 
     async def _handle_message(self, message: bytes | str) -> list[Frame | BulkBody]:
         """What one record brings for the app, in order (PINGs and unknown types dropped)."""
@@ -377,11 +376,9 @@ class Link:
     def _start_bulk_read(self, bulk: BulkBody) -> asyncio.Future:
         """Queue the body read on its lane; recv() or the delivery awaits the frame in order."""
         # Read the body even for an unknown frame type, to keep the stream in step.
-        frame = self._bulk.read_frame(
+        return self._bulk.read_frame(
             bulk, self._sink_buffer(bulk), self._records.bulk_frame,
             lambda exc: self._spawn_fail((exc, CLOSE_POLICY_VIOLATION)))
-        self._last_bulk_read = frame
-        return frame
 
     def _sink_buffer(self, bulk: BulkBody) -> memoryview | BodyParts | None:
         return sink_buffer(self._body_sink, bulk, self.local_node_id)

@@ -1,13 +1,16 @@
 """Link tests over real sockets on 127.0.0.1 (one process, and two processes)."""
 
 import asyncio
+import gc
 import logging
 import os
 import subprocess
 import sys
+import weakref
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -522,6 +525,42 @@ def test_deliver_to_handles_a_frame_before_the_next_record_is_read():
     bodies, landed, order = run(main())
     assert order == [(t, i) for i in range(4) for t in (FrameType.KV_BEGIN, FrameType.KV_CHUNK)]
     assert [bytes(landed[i]) for i in range(4)] == bodies
+
+
+def test_a_handled_frame_leaves_the_link_no_reference_to_its_body_buffer():
+    """Once its handler returned, the link holds nothing of a frame: a decode node's receive
+    buffers must be its adopted cache's alone, or MLX copies them at the first decode step
+    instead of writing the token in place (the link kept its last bulk frame until the
+    next one: the last 64 MiB frame of every handoff was copied)."""
+
+    async def main():
+        buffers, got = [], []
+
+        async def send_one(link):
+            await link.send(Frame(FrameType.KV_CHUNK, {"i": 0}, os.urandom(MIB)))
+            await link.wait_closed()
+
+        def sink(frame_type, header, n_bytes):
+            buffer = np.empty(n_bytes, np.uint8)
+            buffers.append(weakref.ref(buffer))
+            return memoryview(buffer)
+
+        async with await serve(on_link=send_one) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1")
+            link.set_body_sink(sink)
+            link.deliver_to(lambda frame: got.append(bytes(frame.body)))
+            for _ in range(250):  # bounded wait for the one frame
+                if got:
+                    break
+                await asyncio.sleep(0.02)
+            gc.collect()
+            alive = [ref() is not None for ref in buffers]
+            await link.close()
+        return got, alive
+
+    got, alive = run(main())
+    assert len(got) == 1 and len(got[0]) == MIB
+    assert alive == [False]  # the link is still open, and lets go of it
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
