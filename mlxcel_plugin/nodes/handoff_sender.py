@@ -196,12 +196,12 @@ class OutgoingHandoff:
         try:
             lanes = self._links = await lanes_task
             feeds = [LaneFeed(link, self._sent, self._lane_failed) for link in lanes]
-            parallel, finished = sum(max(1, link.bulk_lanes) for link in lanes), False
+            finished = False
             while not finished:  # ends with finish()
                 messages, finished = await self._queued()
                 # What queued up while the last frames went out shares frames now.
-                for lane, frame in frames_for(messages, self.first_token,
-                                              frame_chunk_bytes(messages, parallel)):
+                bound = frame_chunk_bytes(messages, [link.bulk_lanes for link in lanes])
+                for lane, frame in frames_for(messages, self.first_token, bound):
                     feeds[lane % len(feeds)].put(frame)
             for feed in feeds:
                 await feed.close()  # every frame handed to its link

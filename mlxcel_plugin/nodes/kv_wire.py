@@ -66,12 +66,12 @@ def chunks_frame(chunks: Sequence[KVMessage]) -> Frame:
     return kv_frame(FrameType.KV_CHUNK, header, BodyParts([chunk.body for chunk in chunks]))
 
 
-def frame_chunk_bytes(messages: Sequence[KVMessage], bodies_in_parallel: int) -> int:
-    """How far ``frames_for`` joins ``messages``' chunks: their bytes spread over
-    ``bodies_in_parallel`` frames (the bulk lanes of every link they go on), within
-    ``FRAME_CHUNK_BYTES``..``FRAME_MAX_CHUNK_BYTES``."""
+def frame_chunk_bytes(messages: Sequence[KVMessage], bulk_lanes: Sequence[int]) -> int:
+    """How far ``frames_for`` joins ``messages``' chunks: their bytes spread over a frame per
+    bulk lane of the links they go on (``bulk_lanes``: each link's; one without a bulk
+    channel carries one body at a time), within ``FRAME_CHUNK_BYTES``..``FRAME_MAX_CHUNK_BYTES``."""
     queued = sum(len(m.body) for m in messages if m.kind == "chunk")
-    per_lane = -(-queued // max(1, bodies_in_parallel))
+    per_lane = -(-queued // max(1, sum(max(1, lanes) for lanes in bulk_lanes)))
     return max(FRAME_CHUNK_BYTES, min(FRAME_MAX_CHUNK_BYTES, per_lane))
 
 

@@ -77,17 +77,19 @@ def test_frames_grow_with_what_is_queued_while_every_lane_keeps_a_body():
     mib = 1024 * 1024
     layer = memoryview(bytearray(4 * mib))  # one K or V of a 2k-token, 8B-shaped layer
     handoff = [chunk(i, layer) for i in range(64)]  # 256 MiB
-    assert frame_chunk_bytes(handoff, bodies_in_parallel=2) == FRAME_MAX_CHUNK_BYTES == 64 * mib
-    frames = frames_for(handoff, max_chunk_bytes=frame_chunk_bytes(handoff, 2))
+    assert frame_chunk_bytes(handoff, bulk_lanes=[2]) == FRAME_MAX_CHUNK_BYTES == 64 * mib
+    frames = frames_for(handoff, max_chunk_bytes=frame_chunk_bytes(handoff, [2]))
     assert [len(f.body) for _, f in frames] == [64 * mib] * 4
     # 96 MiB over two lanes: two 48 MiB frames, one per lane, not one 64 MiB and one 32 MiB.
-    assert frame_chunk_bytes(handoff[:24], 2) == 48 * mib
+    assert frame_chunk_bytes(handoff[:24], [2]) == 48 * mib
+    assert frame_chunk_bytes(handoff[:24], [1, 1]) == 48 * mib  # two one-lane links alike
+    assert frame_chunk_bytes(handoff[:24], [0, 0]) == 48 * mib  # links without bulk channels
     assert [len(f.body) for _, f in frames_for(handoff[:24], max_chunk_bytes=48 * mib)] == [
         48 * mib, 48 * mib]
     # Little queued (a streamed layer), or many lanes: the least bound, as before.
-    assert frame_chunk_bytes(handoff[:2], 2) == FRAME_CHUNK_BYTES
-    assert frame_chunk_bytes(handoff[:8], 4) == FRAME_CHUNK_BYTES
-    assert frame_chunk_bytes([begin(), end()], 0) == FRAME_CHUNK_BYTES
+    assert frame_chunk_bytes(handoff[:2], [2]) == FRAME_CHUNK_BYTES
+    assert frame_chunk_bytes(handoff[:8], [4]) == FRAME_CHUNK_BYTES
+    assert frame_chunk_bytes([begin(), end()], []) == FRAME_CHUNK_BYTES
 
 
 def test_a_joined_frame_scattered_by_the_sink_splits_into_the_sinks_buffers():
