@@ -95,7 +95,7 @@ def layer_allocation(stock: LayerStock, fp: ModelFingerprint, index: int,
     return layer_buffers(stock, spec, descriptor.tokens, room, ahead), size
 
 
-def layer_buffers(memory: LayerStock, spec: LayerSpec, tokens: int,
+def layer_buffers(stock: LayerStock, spec: LayerSpec, tokens: int,
                   room_tokens: int = 0,
                   ahead: Callable[[], int] = lambda: 0) -> list[np.ndarray]:
     """One receive buffer per array of the layer, in spec order (K and V taken together).
@@ -106,15 +106,15 @@ def layer_buffers(memory: LayerStock, spec: LayerSpec, tokens: int,
     shape and dtype are taken for ``ahead()`` more layers too (``LayerStock``).
     """
     if room_tokens > tokens and _has_room(spec):
-        full = memory.take(spec.arrays[0].shape_for(room_tokens), spec.arrays[0].storage,
-                           len(spec.arrays), ahead)
+        full = stock.take(spec.arrays[0].shape_for(room_tokens), spec.arrays[0].storage,
+                          len(spec.arrays), ahead)
         return [buffer[:, :, :tokens, :] for buffer in full]
     shapes = [a.shape_for(tokens) for a in spec.arrays]
     if len(set(shapes)) == 1 and len({a.storage for a in spec.arrays}) == 1:
-        return memory.take(shapes[0], spec.arrays[0].storage, len(shapes), ahead)
+        return stock.take(shapes[0], spec.arrays[0].storage, len(shapes), ahead)
     # MLA, SSM and quantized layers: arrays of different shapes or dtypes.
     pairs = zip(spec.arrays, shapes, strict=True)
-    return [memory.take(shape, a.storage, 1)[0] for a, shape in pairs]
+    return [stock.take(shape, a.storage, 1)[0] for a, shape in pairs]
 
 
 def room_tokens(step: int, header: HandoffHeader, kind: str, descriptor: LayerDescriptor) -> int:
