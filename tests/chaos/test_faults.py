@@ -79,10 +79,11 @@ def run_with_fault(chaos: ChaosCluster, phase: str, fault) -> list[Outcome]:
     return [f.result(timeout=120) for f in futures]
 
 
-def assert_exact(outcomes: list[Outcome], baseline: dict[str, str],
+def assert_exact(chaos: ChaosCluster, outcomes: list[Outcome], baseline: dict[str, str],
                  prompts: list[str] = PROMPTS) -> None:
     for prompt, outcome in zip(prompts, outcomes, strict=True):
-        assert outcome.ok, outcome
+        # The router's log says why a stream failed (a CI run keeps no workdir).
+        assert outcome.ok, (outcome, chaos.router.log_tail(60))
         assert outcome.elapsed_s < STREAM_DEADLINE_S  # no stream hung, whatever the fault
         assert outcome.text == baseline[prompt]
 
@@ -96,7 +97,7 @@ def assert_survivors_free(chaos: ChaosCluster, *, skip: str | None = None) -> No
 def again(chaos: ChaosCluster, baseline: dict[str, str]) -> None:
     """After a recovery: two fresh streams, exact."""
     outcomes = [f.result() for f in chaos.streams(PROMPTS[:2], MAX_TOKENS)]
-    assert_exact(outcomes, baseline, PROMPTS[:2])
+    assert_exact(chaos, outcomes, baseline, PROMPTS[:2])
 
 
 def counters(chaos: ChaosCluster) -> dict:
@@ -107,11 +108,13 @@ def counters(chaos: ChaosCluster) -> dict:
 @pytest.mark.parametrize("target", ["prefill-0", "decode-0"])
 def test_kill_a_worker(chaos, baseline, target: str, phase: str) -> None:
     failed = counters(chaos)["failed"]
-    outcomes = run_with_fault(chaos, phase, lambda: chaos.signal(target, signal.SIGKILL))
-    assert_exact(outcomes, baseline)
-    assert counters(chaos)["failed"] == failed
-    assert_survivors_free(chaos, skip=target)
-    chaos.restart(target)
+    try:
+        outcomes = run_with_fault(chaos, phase, lambda: chaos.signal(target, signal.SIGKILL))
+        assert_exact(chaos, outcomes, baseline)
+        assert counters(chaos)["failed"] == failed
+        assert_survivors_free(chaos, skip=target)
+    finally:
+        chaos.restart(target)  # whatever failed, the next test finds four nodes
     again(chaos, baseline)
 
 
@@ -124,7 +127,7 @@ def test_stop_a_worker(chaos, baseline, target: str, phase: str) -> None:
         chaos.wait_until(lambda: chaos.node_entry(target)["health"] == "unreachable")
     finally:
         chaos.signal(target, signal.SIGCONT)
-    assert_exact(outcomes, baseline)
+    assert_exact(chaos, outcomes, baseline)
     assert counters(chaos)["failed"] == failed
     # Woken, it hears its links were dropped, frees what it held, and is dialled again.
     assert_survivors_free(chaos)
@@ -137,7 +140,7 @@ def test_a_cut_link_migrates_and_heals(chaos, baseline) -> None:
         outcomes = run_with_fault(chaos, "mid_stream", proxy.cut)
     finally:
         proxy.heal()
-    assert_exact(outcomes, baseline)
+    assert_exact(chaos, outcomes, baseline)
     assert counters(chaos)["migrated"] >= 1
     assert_survivors_free(chaos)
     chaos.wait_until(lambda: chaos.node_entry("decode-0")["health"] == "healthy")
@@ -147,10 +150,12 @@ def test_a_cut_link_migrates_and_heals(chaos, baseline) -> None:
 def test_router_faults_free_the_nodes_and_a_new_router_serves(chaos, baseline,
                                                               phase: str) -> None:
     port = chaos.router.port
-    run_with_fault(chaos, phase, lambda: chaos.signal("router", signal.SIGKILL))
-    assert_survivors_free(chaos)
-    chaos.router.process.wait(10)
-    chaos.start_router(port)
+    try:
+        run_with_fault(chaos, phase, lambda: chaos.signal("router", signal.SIGKILL))
+        assert_survivors_free(chaos)
+    finally:
+        chaos.router.process.wait(10)
+        chaos.start_router(port)  # whatever failed, the next test finds a router
     again(chaos, baseline)
 
 
@@ -160,7 +165,7 @@ def test_a_stopped_router_resumes_its_streams(chaos, baseline) -> None:
         time.sleep(1.0)
         chaos.signal("router", signal.SIGCONT)
 
-    assert_exact(run_with_fault(chaos, "mid_stream", pause_router), baseline)
+    assert_exact(chaos, run_with_fault(chaos, "mid_stream", pause_router), baseline)
 
 
 def test_rolling_restart_under_load(chaos, baseline) -> None:
@@ -184,6 +189,6 @@ def test_rolling_restart_under_load(chaos, baseline) -> None:
         driver.join(180)
     assert len(outcomes) >= 8
     for i, outcome in enumerate(outcomes):
-        assert outcome.ok, outcome
+        assert outcome.ok, (outcome, chaos.router.log_tail(60))
         assert outcome.text == baseline[PROMPTS[i % 4]]
     assert_survivors_free(chaos)
