@@ -23,15 +23,17 @@ from its ``LinkConfig``), then the product per ``--configs``. Columns: GiB/s
 end of prefill to the decode node's ack, ``mlxcel:handoff_time_seconds``; a
 streaming strategy from the submit, since its rows leave while prefill fills),
 x link, x bare AES-GCM, CPU-s per GiB of raw KV on each side over that window
-(baselines: their own rusage; nodes: ``/proc/PID/stat`` sampled every 5 ms; the
-decode node's on to its first token, less the CPU of its next decode step over the
-same cache, shown as "step CPU s": the model's own attention, not the handoff's), and
+(baselines: their own rusage; nodes: their CPU clocks, ``harness.proc_cpu_s``, sampled
+every 5 ms; the decode node's on to its first token, less the median CPU of its next
+three decode steps over the same cache, shown as "step CPU s": the model's own
+attention, not the handoff's, and at 2k tokens more than twice the handoff's whole
+receive here, so one step's noise swung the ratio by a fifth), and
 the time from the ack to the decode node's first token (adoption into MLX and that
 token's step), and "readers busy": the median share of their reading time the decode
 node's bulk readers were running or waiting for a CPU (its acks' ``reader_busy_share``;
 at 0.8 or more the prefill node takes the handoff as receiver-paced, not as the link's
 speed: docs/bulk-lanes.md#who-set-the-pace). A second table splits the decode node's CPU per
-handoff by thread (each thread's ``schedstat`` over the same window, less the next step's:
+handoff by thread (each thread's ``schedstat`` over the same window, less the steps' median:
 bulk readers, event loop, engine (its thread and the MLX threads it started, which
 inherit its OS name), the rest), beside the bare AES-GCM receiver's whole
 process for the same bytes. Each config first takes unmeasured handoffs of

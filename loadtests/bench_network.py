@@ -18,7 +18,7 @@ Per rate, prompt length and configuration (medians over the repeats):
   during prefill, so its handoff_s is only the part prefill did not hide;
   hidden_pct = 1 - handoff_s(streamed) / handoff_s(full), both codec none.
 * CPU s/GiB per side (full only: the other strategies overlap prefill's CPU):
-  each process's CPU time (``/proc/PID/stat``, sampled every 5 ms) over the
+  each process's CPU time (its CPU clock, ``harness.proc_cpu_s``, sampled every 5 ms) over the
   handoff window, per GiB of raw KV; against a raw TCP transfer of the same
   bytes between the same namespaces (``sendall`` / ``recv_into``).
 * chosen: what the prefill node's selector picked (``/health`` last_choice), and who

@@ -13,7 +13,9 @@ import random
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from bench_common import prometheus_value
@@ -27,6 +29,9 @@ from mlxcel_plugin.testing.link_driver import LinkDriver
 TIMEOUT_S = 600.0
 TRANSFER_TIMEOUT_S = 300  # a claim waits this long for its KV on a loaded machine
 VOCAB = 1000  # prompts draw ids below the synthetic model's vocabulary (1024)
+# A handoff's tokens: the prefill node's, the decode node's first over the adopted cache,
+# then three plain steps, whose median CPU is what the first is charged for its model.
+TOKENS = 5
 STREAM_TOKENS = 4096  # an ITL stream's max_tokens: more than a window's steps
 SETTLE_S = 1.0  # after an ITL window's streams all joined: the join's step is behind them
 QUIET_LEAD_S = 1.5  # a quiet window's start after SETTLE_S, until a handoff's prefill is timed
@@ -135,7 +140,7 @@ class Handoff:
     strategy sends rows while prefill still fills, so for it they run from the submit (the
     zero-compute prefill's fill included). The decode node's CPU runs on to its first token
     (receiving, adopting into MLX, and that token's decode step), less ``step_cpu_s``: the
-    CPU of its next decode step over the same cache (the model's attention over the KV,
+    median CPU of its next decode steps over the same cache (the model's attention over the KV,
     which any node pays per token: not the handoff's work; the first step's extra work, such
     as copying what it adopted, stays counted).
     """
@@ -146,12 +151,12 @@ class Handoff:
     transfer_s: float
     tt2t_s: float  # submit to the decode node's first token
     after_ack_s: float  # the decode node's ack to its first token (adoption, first step)
-    cpu_s: list[float]  # prefill node, decode node (its next decode step's CPU taken off)
-    step_cpu_s: float = 0.0  # the decode node's second decode step over the same cache
+    cpu_s: list[float]  # prefill node, decode node (its next steps' median CPU taken off)
+    step_cpu_s: float = 0.0  # the median of the decode node's next steps over the same cache
     choice: dict[str, Any] = field(default_factory=dict)
     # How busy the decode node's readers were (its ack): >= 0.8, the receiver set the pace.
     reader_busy_share: float | None = None
-    # The decode node's cpu_s[1] by thread role (harness.ThreadCpu), its next step's taken off.
+    # The decode node's cpu_s[1] by thread role (harness.ThreadCpu), the steps' median taken off.
     recv_threads_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -175,22 +180,25 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
                       tokens: int, rng: random.Random) -> Handoff:
     before = handoff_totals(url)
     start = time.perf_counter()
-    outcome = await driver.generate(request_id, prompt(tokens, rng), 3, timeout_s=TIMEOUT_S)
-    if not outcome.ok or len(outcome.token_times_s) < 3:
+    outcome = await driver.generate(request_id, prompt(tokens, rng), TOKENS,
+                                    timeout_s=TIMEOUT_S)
+    if not outcome.ok or len(outcome.token_times_s) < TOKENS:
         raise RuntimeError(f"{request_id}: {outcome.finish_reason} {outcome.error}")
     after = handoff_totals(url)
-    # The prefill node's token, the decode node's first, and its next (a plain step).
-    prefilled, decoded, stepped = outcome.token_times_s[:3]
+    # The prefill node's token, the decode node's first, then plain steps.
+    prefilled, decoded = outcome.token_times_s[:2]
+    steps = list(pairwise(outcome.token_times_s[1:TOKENS]))
     acked = prefilled + after[0] - before[0]
     transfer = json.loads(get(f"{url}/health"))["transfer"]
     choice = transfer["last_choice"]
     begin = prefilled if choice.get("strategy") == "full" else start
-    step_cpu = sampler.between(decoded, stepped)[1]
+    step_cpu = median(sampler.between(a, b)[1] for a, b in steps)
     cpu = [sampler.between(begin, acked)[0],
            sampler.between(begin, max(decoded, acked))[1] - step_cpu]
     window = sampler.threads_between(begin, max(decoded, acked))
-    step = sampler.threads_between(decoded, stepped)
-    threads = {role: seconds - step.get(role, 0.0) for role, seconds in window.items()}
+    step_threads = [sampler.threads_between(a, b) for a, b in steps]
+    threads = {role: seconds - median(s.get(role, 0.0) for s in step_threads)
+               for role, seconds in window.items()}
     return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
                    acked - begin, decoded - start, decoded - acked, cpu, step_cpu, choice,
                    transfer.get("last_reader_busy_share"), threads)

@@ -177,7 +177,7 @@ def report(results: list[dict[str, Any]], run: Any, shape: dict[str, int]) -> di
               f"({os.cpu_count()} cores, {run.plane.lanes} lane(s), {run.plane.record_bytes} B "
               f"records; {run.placement.describe()}; shared machine: compare ratios)", COLUMNS,
               [row for r in results for row in plane_rows(r)]),
-        table("Decode node's CPU per handoff by thread, ms (window less the next step's; "
+        table("Decode node's CPU per handoff by thread, ms (window less the next steps' median; "
               "lanes: bulk readers; loop: the event loop; engine: its thread and the MLX "
               "threads it started, which take its name; other: the rest)",
               ["link", "tokens", "path", *THREAD_ROLES, "all", "bare AES-GCM receiver"],

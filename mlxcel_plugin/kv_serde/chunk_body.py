@@ -107,6 +107,8 @@ def occupies(body: Any, dest: memoryview | list[memoryview]) -> bool:
 
 
 def _same_bytes(body: Any, dest: memoryview) -> bool:
+    if body is dest:  # the link scattered the body into the very views it was given
+        return len(dest) > 0
     if len(body) != len(dest) or not len(dest):
         return False
     return _address(body) == _address(dest)

@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "loadtests" / "bench_kv_plane.py"
 sys.path.insert(0, str(BENCH.parent))  # loadtests/ is scripts: import as they do
-from harness import ThreadCpu  # noqa: E402
+from harness import ThreadCpu, proc_cpu_s  # noqa: E402
 from kv_plane_report import gib_s, link_reference, target_rows  # noqa: E402
 
 from mlxcel_plugin.libc import name_os_thread  # noqa: E402
@@ -80,6 +80,18 @@ def test_a_process_cpu_is_split_by_the_roles_its_threads_name_themselves():
     ended = threads.by_role()  # the reader is gone: its CPU stays counted
     assert ended["lanes"] >= later["lanes"]
     threads.close()
+
+
+def test_a_process_cpu_reads_finer_than_clock_ticks():
+    """``proc_cpu_s`` reads a process's CPU clock: this process's own reads the same as
+    ``time.process_time`` (ticks were 10 ms apart), and a process that is gone reads 0."""
+    before = time.process_time()
+    reading = proc_cpu_s(os.getpid())
+    after = time.process_time()
+    assert before <= reading <= after
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert proc_cpu_s(child.pid) == 0.0
 
 
 def run_baseline(aes: bool, size: int = 5 << 20) -> tuple[dict, dict]:

@@ -32,8 +32,9 @@ class BodyParts:
     def __init__(self, buffers: Sequence[bytes | bytearray | memoryview], checksums: bool = False,
                  landed: Callable[[int], None] | None = None,
                  groups: Sequence[int] | None = None):
-        views = [memoryview(b) for b in buffers]
-        self.views = tuple(v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views)
+        # A flat byte view is kept as the very object given, so a receiver can tell its own
+        # destination views by identity (kv_serde.chunk_body.occupies).
+        self.views = tuple(b if _flat(b) else memoryview(b).cast("B") for b in buffers)
         self.nbytes = sum(v.nbytes for v in self.views)
         self.checksums = checksums
         self.crcs: list[int] | None = None  # set by the bulk channel once every part is in
@@ -45,3 +46,7 @@ class BodyParts:
 
     def __bytes__(self) -> bytes:
         return b"".join(self.views)
+
+
+def _flat(buffer: object) -> bool:
+    return isinstance(buffer, memoryview) and buffer.format == "B" and buffer.ndim == 1
