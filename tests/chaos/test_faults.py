@@ -154,6 +154,8 @@ def test_router_faults_free_the_nodes_and_a_new_router_serves(chaos, baseline,
         run_with_fault(chaos, phase, lambda: chaos.signal("router", signal.SIGKILL))
         assert_survivors_free(chaos)
     finally:
+        if chaos.router.process.poll() is None:  # failed before its fault: end it here
+            chaos.signal("router", signal.SIGKILL)
         chaos.router.process.wait(10)
         chaos.start_router(port)  # whatever failed, the next test finds a router
     again(chaos, baseline)
