@@ -43,7 +43,7 @@ from mlxcel_plugin.kv_serde.messages import ChunkHeader, EndHeader, KVMessage, L
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
-from mlxcel_plugin.kv_serde.writer import DEFAULT_MAX_BODY_BYTES
+from mlxcel_plugin.kv_serde.versions import LARGE_CHUNK_BYTES
 
 GIB = 1 << 30
 
@@ -52,9 +52,11 @@ GIB = 1 << 30
 class AssemblerLimits:
     max_bytes: int = 8 * GIB  # decoded K/V bytes one handoff may allocate
     max_prompt_tokens: int = 1 << 20
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # encoded body, within one record
+    # Encoded body of one chunk (senders keep to one record's 8 MiB − 64 KiB unless this node
+    # announced LARGE_CHUNK_SERDE_VERSION).
+    max_body_bytes: int = LARGE_CHUNK_BYTES
     # Decoded bytes of one chunk: bounds a codec's output (int4 expands ≈3.5×).
-    max_chunk_raw_bytes: int = 32 << 20
+    max_chunk_raw_bytes: int = LARGE_CHUNK_BYTES
 
 
 class KVAssembler:
@@ -272,7 +274,8 @@ class KVAssembler:
         if raw_bytes > self.limits.max_chunk_raw_bytes:
             raise OversizeDeclared(f"chunk of {raw_bytes} decoded bytes is too large")
         if max(chunk.nbytes, body_bytes) > self.limits.max_body_bytes:
-            raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds the record bound")
+            raise OversizeDeclared(f"chunk body of {chunk.nbytes} bytes exceeds "
+                                  f"{self.limits.max_body_bytes}")
         rows = layer.rows(chunk.tensor)
         if chunk.row + chunk.rows > rows:
             raise MalformedHandoff(f"chunk rows {chunk.row}+{chunk.rows} beyond {rows}")

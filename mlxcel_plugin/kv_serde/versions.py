@@ -23,9 +23,16 @@ BODY_CHECKSUM_SERDE_VERSION = 3
 # one more pass over every byte for nothing the tag misses. Codecs that transform the bytes
 # keep a digest. Sent only to peers that announce it, like version 3.
 AEAD_ONLY_SERDE_VERSION = 4
+# Chunk bodies up to ``LARGE_CHUNK_BYTES``, not one link record's 8 MiB − 64 KiB: an 8B
+# model's 16 MiB tensor (8k tokens) then goes as one chunk, not three, and each chunk costs
+# both ends a round of Python bookkeeping. Bodies no longer need to fit a record (the bulk
+# lanes and PART records carry any frame), so only a receiver's budget bounds them. Sent
+# only to peers that announce it, like version 3.
+LARGE_CHUNK_SERDE_VERSION = 5
+LARGE_CHUNK_BYTES = 32 << 20  # the receiver's bound on one chunk's decoded bytes, too
 SUPPORTED_SERDE_VERSIONS = (SERDE_VERSION, DELTA_SERDE_VERSION) + (
     (BODY_CHECKSUM_SERDE_VERSION,) if crc32_combine is not None else ()) + (
-    AEAD_ONLY_SERDE_VERSION,)
+    AEAD_ONLY_SERDE_VERSION, LARGE_CHUNK_SERDE_VERSION)
 CHECKSUM_OF_HELD, CHECKSUM_OF_ENCODED, CHECKSUM_OF_NONE = "held", "encoded", "none"
 CHECKSUM_VERSIONS = {CHECKSUM_OF_HELD: SERDE_VERSION, CHECKSUM_OF_ENCODED:
                       BODY_CHECKSUM_SERDE_VERSION, CHECKSUM_OF_NONE: AEAD_ONLY_SERDE_VERSION}

@@ -12,7 +12,13 @@ import logging
 from concurrent.futures import Executor
 from typing import Any
 
-from mlxcel_plugin.kv_serde import HandoffHeader, ModelFingerprint, SerializableSamplingState
+from mlxcel_plugin.kv_serde import (
+    DEFAULT_MAX_BODY_BYTES,
+    SERDE_VERSION,
+    HandoffHeader,
+    ModelFingerprint,
+    SerializableSamplingState,
+)
 from mlxcel_plugin.kv_serde.convert import cast_fingerprint, casting
 from mlxcel_plugin.kv_serde.header import (
     AEAD_ONLY_SERDE_VERSION,
@@ -22,6 +28,7 @@ from mlxcel_plugin.kv_serde.header import (
     CHECKSUM_OF_NONE,
     IDENTITY_CODEC,
 )
+from mlxcel_plugin.kv_serde.versions import LARGE_CHUNK_BYTES, LARGE_CHUNK_SERDE_VERSION
 from mlxcel_plugin.nodes.decode_targets import DecodeTargets
 from mlxcel_plugin.nodes.handoff_sender import DecodeLinks, OutgoingHandoff
 from mlxcel_plugin.nodes.metrics import PrefillMetrics
@@ -51,15 +58,19 @@ class HandoffStarter:
         # The newest ack's reader_busy_share (link/read_load.py): how the last handoff was paced.
         self.last_reader_busy_share: float | None = None
 
-    def record_choice(self, job: NodeJob, choice: Any, checksum_of: str) -> None:
+    def record_choice(self, job: NodeJob, choice: Any, header: HandoffHeader,
+                      chunk_bytes: int) -> None:
         """Make the adaptive choice and the estimate behind it visible: log, metric, health."""
-        self.last_choice = {**choice.as_dict(), "target": job.target, "checksum_of": checksum_of}
+        self.last_choice = {**choice.as_dict(), "target": job.target,
+                            "checksum_of": header.checksum_of, "chunk_bytes": chunk_bytes,
+                            "serde_version": header.wire_version}
         self.metrics.handoff_choices.labels(strategy=choice.strategy, codec=choice.codec).inc()
         logger.debug("%s: handoff %s -> %s: %s", self.node_id, job.request_id, job.target,
                      self.last_choice)
 
 
-    def header(self, job: NodeJob, epoch: int, first_token: int, codec: str) -> HandoffHeader:
+    def header(self, job: NodeJob, epoch: int, first_token: int, codec: str,
+               version: int = SERDE_VERSION) -> HandoffHeader:
         return HandoffHeader(
             request_id=job.request_id, handoff_id=job.handoff_id, epoch=epoch,
             fingerprint=cast_fingerprint(self.fingerprint, self.wire_dtype(job.target)),
@@ -67,6 +78,7 @@ class HandoffStarter:
             first_token=first_token, sampling=SerializableSamplingState.from_request(job.request),
             deadline_in_s=self.parts.transfer_config.transfer_timeout_s,
             prefix_tokens=job.prefix_tokens, checksum_of=self.checksum_of(job.target, codec),
+            version=version,
         )
 
     def wire_dtype(self, target: str) -> str:
@@ -85,6 +97,16 @@ class HandoffStarter:
             return CHECKSUM_OF_ENCODED
         return CHECKSUM_OF_HELD
 
+    def chunk_bounds(self, target: str, codec: str) -> tuple[int, int]:
+        """(chunk_bytes, max_body_bytes) of a handoff to ``target``: raw chunks up to
+        ``LARGE_CHUNK_BYTES`` where it announced ``LARGE_CHUNK_SERDE_VERSION`` (an 8B model's
+        16 MiB tensor in one chunk, not three), else within one record; coded chunks keep to
+        ``coded_chunk_bytes`` (their size is the codec pipeline's fill: transfer/config.py)."""
+        config = self.parts.transfer_config
+        if codec == IDENTITY_CODEC and self.links.speaks(target, LARGE_CHUNK_SERDE_VERSION):
+            return config.chunk_bytes, LARGE_CHUNK_BYTES
+        return config.coded_chunk_bytes, DEFAULT_MAX_BODY_BYTES
+
     def select(self, job: NodeJob, streaming: bool) -> TransferChoice:
         payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
         return self.selector.select(payload, self.bandwidth.estimate(job.target),
@@ -95,14 +117,17 @@ class HandoffStarter:
     def begin(self, job: NodeJob, epoch: int, choice: TransferChoice, streaming: bool,
               first_token: int = 0) -> OutgoingHandoff:
         job.choice = choice
+        chunk_bytes, body_bound = self.chunk_bounds(job.target, choice.codec)
         strategy = make_strategy(choice.strategy, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
-                                 chunk_bytes=self.parts.transfer_config.chunk_bytes,
-                                 lanes=choice.lanes)
+                                 chunk_bytes=chunk_bytes, lanes=choice.lanes,
+                                 max_body_bytes=body_bound)
         # In the target's dtype where it is narrower (kv_serde/convert.py): a smaller wire.
         strategy = casting(strategy, self.fingerprint.dtype, self.wire_dtype(job.target))
-        header = self.header(job, epoch, first_token, choice.codec)
-        self.record_choice(job, choice, header.checksum_of)
+        large = body_bound > DEFAULT_MAX_BODY_BYTES
+        version = LARGE_CHUNK_SERDE_VERSION if large else SERDE_VERSION
+        header = self.header(job, epoch, first_token, choice.codec, version)
+        self.record_choice(job, choice, header, chunk_bytes)
         handoff = OutgoingHandoff(header, strategy, job.target, encoder=self.encoder)
         handoff.push(strategy.start(handoff.header))
         self.links.start(handoff, choice.lanes if streaming else 1)

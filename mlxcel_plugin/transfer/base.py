@@ -127,10 +127,11 @@ def make_strategy(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     lanes: int = 1,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> TransferStrategy:
     """A fresh strategy for one handoff, by registered names (e.g. from a TransferChoice)."""
     if strategy not in strategies:
         known = ", ".join(sorted(strategies)) or "none"
         raise PluginError(f"unknown transfer_strategy {strategy!r}; registered: {known}")
-    options = StrategyOptions(resolve_codec(codec, codecs), chunk_bytes, lanes)
+    options = StrategyOptions(resolve_codec(codec, codecs), chunk_bytes, lanes, max_body_bytes)
     return strategies[strategy](options)

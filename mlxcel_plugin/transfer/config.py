@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mlxcel_plugin.errors import ConfigError
-from mlxcel_plugin.kv_serde import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BODY_BYTES
+from mlxcel_plugin.kv_serde import DEFAULT_MAX_BODY_BYTES
+from mlxcel_plugin.kv_serde.versions import LARGE_CHUNK_BYTES
 
 AUTO = "auto"
 MIN_CHUNK_BYTES = 4096
@@ -24,7 +25,9 @@ class TransferConfig:
     strategy: str = AUTO  # "auto" or a registered strategy name ("full", "streamed", ...)
     codec: str = AUTO  # "auto", "none", or a registered codec / chain ("shuffle+lz4")
     parallelism: int = 1  # links per handoff that LayerParallel may use
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # raw tensor bytes per chunk
+    # Raw tensor bytes per chunk, at most: 8 MiB - 64 KiB for coded chunks and for a receiver
+    # of serde version 4 or older (nodes/handoff_start.py).
+    chunk_bytes: int = LARGE_CHUNK_BYTES
     # A handoff fails once none of its KV moved for this long (sender and receiver alike);
     # a slow one keeps going while its bytes flow. The sender frees its copy on the ack.
     transfer_timeout_s: float = 30.0
@@ -39,14 +42,22 @@ class TransferConfig:
         if not isinstance(self.parallelism, int) or not 1 <= self.parallelism <= MAX_PARALLELISM:
             raise ConfigError(f"transfer.parallelism must be 1..{MAX_PARALLELISM}")
         if not isinstance(self.chunk_bytes, int) or not (
-            MIN_CHUNK_BYTES <= self.chunk_bytes <= DEFAULT_MAX_BODY_BYTES
+            MIN_CHUNK_BYTES <= self.chunk_bytes <= LARGE_CHUNK_BYTES
         ):
             raise ConfigError(
-                f"transfer.chunk_bytes must be {MIN_CHUNK_BYTES}..{DEFAULT_MAX_BODY_BYTES} "
-                "(a chunk must fit one link record)"
+                f"transfer.chunk_bytes must be {MIN_CHUNK_BYTES}..{LARGE_CHUNK_BYTES} "
+                "(the most a receiver takes in one chunk)"
             )
         if not isinstance(self.transfer_timeout_s, int | float) or self.transfer_timeout_s <= 0:
             raise ConfigError("transfer.transfer_timeout_s must be > 0")
+
+    @property
+    def coded_chunk_bytes(self) -> int:
+        """Chunk size of a codec that transforms the bytes: within one record's 8 MiB − 64 KiB.
+        Why not larger: the sender encodes a whole chunk before its first byte goes, and the
+        receiver decodes the last one after it is in (transfer/selector.py's pipeline), so a
+        coded chunk's size is the handoff's fill and drain; its bookkeeping is small beside."""
+        return min(self.chunk_bytes, DEFAULT_MAX_BODY_BYTES)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TransferConfig:

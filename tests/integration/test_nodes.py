@@ -23,6 +23,7 @@ from mlxcel_plugin import openblas
 from mlxcel_plugin.engine_api import CacheState, GenerationRequest, SamplingParams
 from mlxcel_plugin.kv_serde import AckHeader, HandoffHeader, ModelFingerprint
 from mlxcel_plugin.kv_serde.header import SerializableSamplingState
+from mlxcel_plugin.kv_serde.versions import LARGE_CHUNK_SERDE_VERSION
 from mlxcel_plugin.link import (
     ClusterSecret,
     Link,
@@ -190,10 +191,11 @@ def test_greedy_output_matches_hybrid(mlx_nodes, expected, strategy, codec):
     assert got == {f"len{n}": expected[f"len{n}"] for n in PROMPT_LENGTHS}
     # The configured strategy and codec are what went over the wire, and say so; raw bodies
     # went without crc32s (serde v4, which the decode node announced: AES-GCM authenticates
-    # them), other codecs with their digest.
+    # them), other codecs with their digest; chunks up to 32 MiB (v5, announced too).
     last_choice = health(prefill)["transfer"]["last_choice"]
     assert last_choice["codec"] == codec
     assert last_choice["checksum_of"] == ("none" if codec == "none" else "held")
+    assert last_choice["serde_version"] == (LARGE_CHUNK_SERDE_VERSION if codec == "none" else 1)
     chosen = f'mlxcel:handoff_choices_total{{codec="{codec}",strategy="{strategy}"}}'
     assert chosen in metrics(prefill)
     # Streaming strategies send each prefill cell's rows after its forward, before the layer.

@@ -11,13 +11,15 @@ and frees its buffers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
 
 from mlxcel_plugin.builtin_plugin import TRANSFER_STRATEGIES, builtin_codecs
-from mlxcel_plugin.kv_serde import assemble_messages
+from mlxcel_plugin.kv_serde import DEFAULT_MAX_BODY_BYTES, assemble_messages
+from mlxcel_plugin.kv_serde.versions import LARGE_CHUNK_BYTES, LARGE_CHUNK_SERDE_VERSION
 from mlxcel_plugin.link import LinkConfig, dial_link, serve_links
 from mlxcel_plugin.link.bulk import BULK_IN_THREAD
 from mlxcel_plugin.link.protocol.frames import FrameType
@@ -147,6 +149,30 @@ def test_a_begin_as_big_as_a_bulk_body_is_handled_before_the_first_chunk_is_plac
     assert cache_bytes(outcome.state.cache) == cache_bytes(cache)
     chunk_frames = [f for f in seen if f.type is FrameType.KV_CHUNK]
     assert chunk_frames and all(type(f.body).__name__ == "BodyParts" for f in chunk_frames)
+
+
+def test_a_tensor_larger_than_a_record_goes_as_one_chunk_and_lands_byte_for_byte():
+    """Serde v5: towards a receiver that announced it, a 9 MiB tensor is one chunk (above one
+    record's 8 MiB − 64 KiB, which bounded chunks before), over a real bulk channel."""
+    fp = make_fingerprint(num_layers=2, kv_heads=4, head_dim=128, dtype="float16")
+    tokens = 9 * 1024  # 9 MiB per tensor
+    cache = make_cache(fp, tokens, seed=5)
+    plan = make_strategy("full", "none", STRATEGIES, builtin_codecs(),
+                         chunk_bytes=LARGE_CHUNK_BYTES, max_body_bytes=LARGE_CHUNK_BYTES)
+    header = make_header(fp, tokens)
+    messages = list(plan.start(dataclasses.replace(header, version=LARGE_CHUNK_SERDE_VERSION)))
+    for index, layer in enumerate(cache.layers):
+        messages += plan.add_layer(index, layer)
+    messages += plan.finish()
+    chunks = [m for m in messages if m.kind == "chunk"]
+    assert len(chunks) == 2 * fp.num_layers
+    assert all(len(m.body) == 9 << 20 > DEFAULT_MAX_BODY_BYTES for m in chunks)
+    assert messages[0].header["version"] == LARGE_CHUNK_SERDE_VERSION
+    outcome, receiver, _ = asyncio.run(receive_over_links(messages, builtin_codecs(), 1,
+                                                          fingerprint=fp))
+    assert isinstance(outcome, Completed), outcome
+    assert cache_bytes(outcome.state.cache) == cache_bytes(cache)
+    assert receiver.allocated_bytes == 0 and not receiver.ingests
 
 
 def test_a_lane_dying_mid_handoff_fails_it_and_frees_its_buffers():

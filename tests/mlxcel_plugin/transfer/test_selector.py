@@ -36,7 +36,8 @@ class FakeClock:
 def test_config_defaults_leave_the_choice_to_the_selector():
     config = TransferConfig()
     assert (config.strategy, config.codec, config.parallelism) == ("auto", "auto", 1)
-    assert config.chunk_bytes == (8 << 20) - (64 << 10) and not config.allow_lossy
+    assert config.chunk_bytes == 32 << 20 and not config.allow_lossy
+    assert config.coded_chunk_bytes == (8 << 20) - (64 << 10)  # a codec's pipeline, per record
 
 
 def test_config_from_dict_round_trips_and_refuses_unknown_keys():
@@ -51,7 +52,7 @@ def test_config_from_dict_round_trips_and_refuses_unknown_keys():
     [
         {"parallelism": 0},
         {"chunk_bytes": 100},
-        {"chunk_bytes": 9 << 20},
+        {"chunk_bytes": (32 << 20) + 1},
         {"transfer_timeout_s": 0},
         {"codec": ""},
     ],
