@@ -18,7 +18,9 @@ and used as the link's rate.
 
 For each link and size, in one run: raw TCP, bare AES-256-GCM TCP
 (``loadtests/tcp_baselines.py``: the product's record size and lane count, read
-from its ``LinkConfig``), then the product per ``--configs``. Columns: GiB/s
+from its ``LinkConfig``) and the product per ``--configs``, in ``--repeats`` rounds
+of one run of each (after each config's unmeasured handoffs, below), so a slow spell
+of the machine falls on every path alike. Columns: GiB/s
 (raw KV bytes / time: the baselines' sender from first byte to ack; Full from the
 end of prefill to the decode node's ack, ``mlxcel:handoff_time_seconds``; a
 streaming strategy from the submit, since its rows leave while prefill fills),

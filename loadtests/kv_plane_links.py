@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from harness import GIB, KVPlaneDefaults, Placement, proc_minor_faults
-from kv_plane_nodes import NodeSet, handoffs, itl_phase, loopback_nodes, netns_nodes, warm_up
+from kv_plane_nodes import (
+    Handoff,
+    NodeSet,
+    handoffs,
+    itl_phase,
+    loopback_nodes,
+    netns_nodes,
+    warm_up,
+)
 
 from mlxcel_plugin.config import prefix_cache_config
 from mlxcel_plugin.local_cluster import LOOPBACK, free_port
@@ -28,6 +36,7 @@ LINK_RATES: dict[str, float | None] = {"loopback": None, "veth": None, "tbf1": 1
 SHAPED_ENOUGH = 0.9  # raw TCP must reach this share of a shaped rate to prove the shaping
 WIDE_BURST_S = 0.016  # the second try's tbf bucket, in seconds of the rate
 BASELINE_TIMEOUT_S = 600
+BASELINE_PATHS = (("raw TCP", False), ("bare AES-GCM", True))  # (path, with AES-GCM)
 WARMUP_TOKENS = 256
 # A node in service takes a handoff into the pages an earlier one of its size freed; after
 # another size (8k after 2k) its receive pool (and prefix cache) take a few handoffs to turn
@@ -110,16 +119,6 @@ def baseline(ends: Endpoints, size: int, plane: KVPlaneDefaults, aes: bool) -> d
     return {"seconds": send["seconds"], "cpu_send": send["cpu_s"], "cpu_recv": received["cpu_s"]}
 
 
-def baseline_rows(link: str, ends: Endpoints, tokens: int, run: LinkRun) -> list[dict]:
-    size = tokens * run.bytes_per_token
-    rows = []
-    for path, aes in (("raw TCP", False), ("bare AES-GCM", True)):
-        runs = [baseline(ends, size, run.plane, aes) for _ in range(max(1, run.repeats))]
-        rows.append(measure_row(link, tokens, path, size, size, runs))
-        print({k: v for k, v in rows[-1].items() if k != "runs"}, flush=True)
-    return rows
-
-
 def measure_row(link: str, tokens: int, path: str, size: int, wire: float,
                 runs: list[dict[str, float]]) -> dict[str, Any]:
     """Medians over repeats; CPU per GiB from sums (the repeats' total over their bytes)."""
@@ -149,40 +148,60 @@ async def warm_handoffs(nodes: NodeSet, config: str, tokens: int, run: LinkRun) 
     return done
 
 
-async def product_rows(link: str, nodes: NodeSet, tokens: int, run: LinkRun) -> list[dict]:
-    """Per config: unmeasured handoffs of this size first (``warm_handoffs``; the first one's
-    receiver CPU is reported as ``cold``: the receive pool takes it into fresh pages), then
-    the measured ones, which land in warm memory as on a node in service ("warm-up" says
-    how many handoffs that took)."""
-    rows = []
+async def size_rows(link: str, nodes: NodeSet, ends: Endpoints, tokens: int,
+                    run: LinkRun) -> list[dict]:
+    """Every path at one size: each config's unmeasured handoffs first (``warm_handoffs``; the
+    first one's receiver CPU is reported as ``cold``), then ``repeats`` rounds of one run of
+    each path (raw TCP, bare AES-GCM, each config). Why rounds: this machine's slow spells
+    (whole handoffs at half speed on both nodes, no page faults, tens of seconds) then fall
+    on every path alike, where one path's runs back to back could all land in one."""
+    size = tokens * run.bytes_per_token
+    warm = {}
     for config in run.configs:
         try:
-            warm = await warm_handoffs(nodes, config, tokens, run)
-            cold = warm[0]
-            done = await handoffs(nodes, config, tokens, run.repeats, run.rng)
+            warm[config] = await warm_handoffs(nodes, config, tokens, run)
         except (RuntimeError, TimeoutError) as exc:  # one failed case does not end the run
             print(f"{link} {tokens} {config} failed: {exc}", flush=True)
-            continue
-        runs = [{"seconds": h.transfer_s, "cpu_send": h.cpu_s[0], "cpu_recv": h.cpu_s[1]}
-                for h in done]
-        row = measure_row(link, tokens, config, done[0].kv_bytes,
-                          statistics.median(h.wire_bytes for h in done), runs)
-        row["chosen"] = f"{done[-1].choice['strategy']}/{done[-1].choice['codec']}"
-        row["tt2t_s"] = statistics.median(h.tt2t_s for h in done)
-        row["prefill_s"] = statistics.median(h.prefill_s for h in done)
-        row["after_ack_s"] = statistics.median(h.after_ack_s for h in done)
-        row["step_cpu_s"] = statistics.median(h.step_cpu_s for h in done)
-        row["cold_cpu_recv_per_gib"] = cold.cpu_s[1] / (cold.kv_bytes / GIB)
-        row["warm_handoffs"] = len(warm)
-        shares = [h.reader_busy_share for h in done if h.reader_busy_share is not None]
-        row["reader_busy"] = statistics.median(shares) if shares else None
-        roles = sorted({role for h in done for role in h.recv_threads_s})
-        row["recv_threads_ms"] = {role: 1000 * statistics.median(
-            h.recv_threads_s.get(role, 0.0) for h in done) for role in roles}
-        row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
-        print({k: v for k, v in row.items()}, flush=True)
-        rows.append(row)
+    baselines: dict[str, list[dict[str, float]]] = {path: [] for path, _ in BASELINE_PATHS}
+    done: dict[str, list[Handoff]] = {config: [] for config in warm}
+    for _ in range(max(1, run.repeats)):
+        for path, aes in BASELINE_PATHS:
+            baselines[path].append(baseline(ends, size, run.plane, aes))
+        for config in list(done):
+            try:
+                done[config] += await handoffs(nodes, config, tokens, 1, run.rng)
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"{link} {tokens} {config} failed: {exc}", flush=True)
+                del done[config]
+    rows = [measure_row(link, tokens, path, size, size, runs) for path, runs in baselines.items()]
+    rows += [product_row(link, tokens, config, warm[config], handoffs_done)
+             for config, handoffs_done in done.items()]
+    for row in rows:
+        print(row, flush=True)
     return rows
+
+
+def product_row(link: str, tokens: int, config: str, warm: list[Handoff],
+                done: list[Handoff]) -> dict[str, Any]:
+    """A config's measured handoffs as one row, beside its first warm-up's cold figure."""
+    runs = [{"seconds": h.transfer_s, "cpu_send": h.cpu_s[0], "cpu_recv": h.cpu_s[1]}
+            for h in done]
+    row = measure_row(link, tokens, config, done[0].kv_bytes,
+                      statistics.median(h.wire_bytes for h in done), runs)
+    row["chosen"] = f"{done[-1].choice['strategy']}/{done[-1].choice['codec']}"
+    row["tt2t_s"] = statistics.median(h.tt2t_s for h in done)
+    row["prefill_s"] = statistics.median(h.prefill_s for h in done)
+    row["after_ack_s"] = statistics.median(h.after_ack_s for h in done)
+    row["step_cpu_s"] = statistics.median(h.step_cpu_s for h in done)
+    row["cold_cpu_recv_per_gib"] = warm[0].cpu_s[1] / (warm[0].kv_bytes / GIB)
+    row["warm_handoffs"] = len(warm)
+    shares = [h.reader_busy_share for h in done if h.reader_busy_share is not None]
+    row["reader_busy"] = statistics.median(shares) if shares else None
+    roles = sorted({role for h in done for role in h.recv_threads_s})
+    row["recv_threads_ms"] = {role: 1000 * statistics.median(
+        h.recv_threads_s.get(role, 0.0) for h in done) for role in roles}
+    row["from"] = "end of prefill" if all(h.whole for h in done) else "submit"
+    return row
 
 
 async def measure_link(link: str, rate: float | None, nodes: NodeSet, ends: Endpoints,
@@ -190,8 +209,7 @@ async def measure_link(link: str, rate: float | None, nodes: NodeSet, ends: Endp
     await warm_up(nodes, WARMUP_TOKENS, run.rng)
     rows: list[dict[str, Any]] = []
     for tokens in run.sizes:
-        rows += baseline_rows(link, ends, tokens, run)
-        rows += await product_rows(link, nodes, tokens, run)
+        rows += await size_rows(link, nodes, ends, tokens, run)
     itl = None
     if run.itl is not None and "full-none" in nodes.prefills:
         itl = await itl_phase(nodes, "full-none", run.itl["tokens"], run.itl["streams"],
