@@ -34,8 +34,11 @@ class BodyParts:
                  groups: Sequence[int] | None = None):
         # A flat byte view is kept as the very object given, so a receiver can tell its own
         # destination views by identity (kv_serde.chunk_body.occupies).
-        self.views = tuple(b if _flat(b) else memoryview(b).cast("B") for b in buffers)
-        self.nbytes = sum(v.nbytes for v in self.views)
+        views = tuple(buffers)
+        if not all(map(_flat, views)):
+            views = tuple(b if _flat(b) else memoryview(b).cast("B") for b in views)
+        self.views = views
+        self.nbytes = sum(map(len, views))
         self.checksums = checksums
         self.crcs: list[int] | None = None  # set by the bulk channel once every part is in
         self.landed = landed
@@ -49,4 +52,4 @@ class BodyParts:
 
 
 def _flat(buffer: object) -> bool:
-    return isinstance(buffer, memoryview) and buffer.format == "B" and buffer.ndim == 1
+    return type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1
