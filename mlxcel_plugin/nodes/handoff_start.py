@@ -101,11 +101,11 @@ class HandoffStarter:
         """(chunk_bytes, max_body_bytes) of a handoff to ``target``: raw chunks up to
         ``LARGE_CHUNK_BYTES`` where it announced ``LARGE_CHUNK_SERDE_VERSION`` (an 8B model's
         16 MiB tensor in one chunk, not three), else within one record; coded chunks keep to
-        ``coded_chunk_bytes`` (their size is the codec pipeline's fill: transfer/config.py)."""
+        ``record_chunk_bytes`` (their size is the codec pipeline's fill: transfer/config.py)."""
         config = self.parts.transfer_config
         if codec == IDENTITY_CODEC and self.links.speaks(target, LARGE_CHUNK_SERDE_VERSION):
             return config.chunk_bytes, LARGE_CHUNK_BYTES
-        return config.coded_chunk_bytes, DEFAULT_MAX_BODY_BYTES
+        return config.record_chunk_bytes, DEFAULT_MAX_BODY_BYTES
 
     def select(self, job: NodeJob, streaming: bool) -> TransferChoice:
         payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)

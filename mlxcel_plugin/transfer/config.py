@@ -52,9 +52,10 @@ class TransferConfig:
             raise ConfigError("transfer.transfer_timeout_s must be > 0")
 
     @property
-    def coded_chunk_bytes(self) -> int:
-        """Chunk size of a codec that transforms the bytes: within one record's 8 MiB − 64 KiB.
-        Why not larger: the sender encodes a whole chunk before its first byte goes, and the
+    def record_chunk_bytes(self) -> int:
+        """``chunk_bytes`` within one record's 8 MiB − 64 KiB: what a receiver of serde version
+        4 or older takes, and what a codec that transforms the bytes sends. Why not larger
+        for a codec: the sender encodes a whole chunk before its first byte goes and the
         receiver decodes the last one after it is in (transfer/selector.py's pipeline), so a
         coded chunk's size is the handoff's fill and drain; its bookkeeping is small beside."""
         return min(self.chunk_bytes, DEFAULT_MAX_BODY_BYTES)

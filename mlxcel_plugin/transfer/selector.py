@@ -9,7 +9,7 @@ It chooses among the strategies it is given (the plugin registry's
 complete cache on one lane, one that streams layers on one lane, one that
 spreads over several lanes. Several of a kind: the first by name.
 
-Cost model per codec: a handoff moves in chunks (``coded_chunk_bytes``), and while
+Cost model per codec: a handoff moves in chunks (``record_chunk_bytes``), and while
 one chunk is on the wire the sender encodes the next and the receiver decodes
 the last one, so the slowest of the three stages sets the pace and the other
 two add one chunk's worth (filling and draining the pipeline)::
@@ -176,7 +176,7 @@ class AdaptiveSelector:
         return found
 
     def _estimates(self, payload_bytes: int, bandwidth: float) -> dict[str, float]:
-        chunks = max(1.0, payload_bytes / self.config.coded_chunk_bytes)
+        chunks = max(1.0, payload_bytes / self.config.record_chunk_bytes)
         estimates = {}
         for codec in self._candidates():
             stages = (payload_bytes / codec.profile.encode_bytes_per_s,

@@ -37,7 +37,7 @@ def test_config_defaults_leave_the_choice_to_the_selector():
     config = TransferConfig()
     assert (config.strategy, config.codec, config.parallelism) == ("auto", "auto", 1)
     assert config.chunk_bytes == 32 << 20 and not config.allow_lossy
-    assert config.coded_chunk_bytes == (8 << 20) - (64 << 10)  # a codec's pipeline, per record
+    assert config.record_chunk_bytes == (8 << 20) - (64 << 10)  # a codec's pipeline, per record
 
 
 def test_config_from_dict_round_trips_and_refuses_unknown_keys():
