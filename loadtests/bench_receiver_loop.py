@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 
 from engines import kv_convert  # noqa: E402
 from mlxcel_plugin.builtin_plugin import TRANSFER_STRATEGIES, builtin_codecs  # noqa: E402
-from mlxcel_plugin.kv_serde import DEFAULT_MAX_BODY_BYTES, KVMessage  # noqa: E402
+from mlxcel_plugin.kv_serde import DEFAULT_MAX_BODY_BYTES, SERDE_VERSION, KVMessage  # noqa: E402
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_NONE  # noqa: E402
 from mlxcel_plugin.kv_serde.versions import (  # noqa: E402
     LARGE_CHUNK_BYTES,
@@ -66,7 +66,7 @@ class _Link:
 
 def handoff_frames(tokens: int, chunk: str) -> list:
     """The handoff's frames as a prefill node sends them (codec none, no checksums)."""
-    version = LARGE_CHUNK_SERDE_VERSION if chunk == "large" else 1
+    version = LARGE_CHUNK_SERDE_VERSION if chunk == "large" else SERDE_VERSION
     header = dataclasses.replace(make_header(FINGERPRINT, tokens), checksum_of=CHECKSUM_OF_NONE,
                                  version=version)
     kv = np.zeros((1, FINGERPRINT.kv_heads, tokens, FINGERPRINT.head_dim), np.float16)
