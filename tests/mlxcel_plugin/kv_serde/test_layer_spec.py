@@ -42,6 +42,18 @@ def test_a_fingerprint_round_trips_its_layer_specs():
     assert parsed == FP and parsed.layers[1].arrays[1].shape == (1, 4, 8, 6)
 
 
+def test_alike_layers_are_parsed_once_and_a_bad_one_among_them_is_still_refused():
+    data = make_fingerprint(num_layers=4, kv_heads=2, head_dim=8).to_dict()
+    data["layers"][2] = FP.to_dict()["layers"][1]  # another shape between alike layers
+    data["cache_classes"][2] = data["layers"][2]["kind"]
+    parsed = ModelFingerprint.from_dict(data)
+    assert [layer.to_dict() for layer in parsed.layers] == data["layers"]
+    assert parsed.layers[1] is parsed.layers[0] and parsed.layers[3] is not parsed.layers[2]
+    data["layers"][3] = {**data["layers"][0], "arrays": [{"name": "k", "shape": [1, 0]}]}
+    with pytest.raises(MalformedHandoff, match="'dtype'"):
+        ModelFingerprint.from_dict(data)
+
+
 def test_an_older_fingerprint_means_uniform_kv_layers():
     data = make_fingerprint(num_layers=2, kv_heads=2, head_dim=8).to_dict()
     del data["layers"]
