@@ -37,6 +37,9 @@ FP = make_fingerprint(num_layers=2, kv_heads=8, head_dim=128, dtype="float16")
 TOKENS = 2100
 
 
+LANDED: list[int] = []  # where the last receive() wrote each body piece
+
+
 def land(assembler: KVAssembler, frame: Frame) -> Frame:
     """What the link does with a frame: the body decrypted where the sink says, in order."""
     if frame.type is not FrameType.KV_CHUNK:
@@ -48,23 +51,25 @@ def land(assembler: KVAssembler, frame: Frame) -> Frame:
         return dataclasses.replace(frame, body=body)
     at = 0
     for view in into.views:
+        LANDED.append(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         view[:] = body[at : at + len(view)]
         at += len(view)
     return dataclasses.replace(frame, body=into)
 
 
 def receive(checksum_of: str, seed: int, codec: str = "none", engine: bool = True,
-            pool: BufferPool | None = None):
+            pool: BufferPool | None = None, fp=FP):
     """A handoff of ``codec`` fed to an assembler with the MLX engine's buffers and adopter
     (``engine``), else into plain numpy buffers; coded bodies land in ``pool``'s slabs."""
-    cache = make_cache(FP, TOKENS, seed=seed)
-    header = dataclasses.replace(make_header(FP, TOKENS, codec=codec), checksum_of=checksum_of)
+    LANDED.clear()
+    cache = make_cache(fp, TOKENS, seed=seed)
+    header = dataclasses.replace(make_header(fp, TOKENS, codec=codec), checksum_of=checksum_of)
     messages = SerializableCacheState(header, cache).to_messages(builtin_codecs()[codec],
                                                                  1 << 20)
     begin, *chunks, end = messages
     random.Random(seed).shuffle(chunks)
     memory = ReceiveMemory(pool, kv_convert.ReceiveBuffers() if engine else None)
-    assembler = KVAssembler(FP, builtin_codecs(), adopt=kv_convert.adopt_layer if engine else None,
+    assembler = KVAssembler(fp, builtin_codecs(), adopt=kv_convert.adopt_layer if engine else None,
                             memory=memory)
     state = None
     for _, frame in frames_for([begin, *chunks, end]):
@@ -76,26 +81,35 @@ def receive(checksum_of: str, seed: int, codec: str = "none", engine: bool = Tru
     return cache, state.cache, assembler
 
 
-def test_a_v4_handoff_lands_in_buffers_with_room_and_decode_writes_them_in_place():
-    sent, received, assembler = receive(CHECKSUM_OF_NONE, seed=3)  # kept: it lets go of views
+def _bits(array: mx.array) -> np.ndarray:
+    """An MLX array's bytes as numpy sees them (bfloat16 as its uint16 bits)."""
+    return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_v4_handoff_lands_in_buffers_with_room_and_decode_writes_them_in_place(dtype):
+    fp = make_fingerprint(num_layers=2, kv_heads=8, head_dim=128, dtype=dtype)
+    sent, received, assembler = receive(CHECKSUM_OF_NONE, seed=3, fp=fp)  # kept: lets go of views
     # A CacheLayer still shows T positions.
     assert [g.keys.shape for g in received.layers] == [w.keys.shape for w in sent.layers]
     caches = kv_convert.from_cache_state(received)
     assert kv_room.held() == 0  # every buffer was taken by its cache
-    for cache, want in zip(caches, sent.layers, strict=True):
-        assert cache.offset == TOKENS and cache.keys.shape[2] == 2304  # room: 2100 -> 2304
-        assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]), want.keys)
-        assert np.array_equal(np.array(cache.values[..., :TOKENS, :]), want.values)
     del received  # as the engine lets go of the handoff: nothing but the caches holds them
-    where = [np.array(c.keys, copy=False).ctypes.data for c in caches]
-    token = mx.ones((1, FP.kv_heads, 1, FP.head_dim), dtype=mx.float16)
+    # The first step, before anything reads the caches (a read would evaluate them itself).
+    token = mx.ones((1, FP.kv_heads, 1, FP.head_dim), dtype=getattr(mx, dtype))
     for cache in caches:
         cache.update_and_fetch(token, token)
     mx.eval([c.state for c in caches])
-    assert [np.array(c.keys, copy=False).ctypes.data for c in caches] == where  # in place
+    for cache in caches:  # in place: the buffer the handoff landed in (from a cache line on)
+        at = np.array(cache.keys.view(mx.uint16), copy=False).ctypes.data
+        assert any(0 <= landed - at < 64 for landed in LANDED)
     for cache, want in zip(caches, sent.layers, strict=True):
-        assert np.array_equal(np.array(cache.keys[..., :TOKENS, :]), want.keys)
-        assert np.array_equal(np.array(cache.keys[..., TOKENS, :]), np.ones((1, 8, 128)))
+        assert cache.offset == TOKENS + 1 and cache.keys.shape[2] == 2304  # room: 2100 -> 2304
+        assert cache.keys.dtype == getattr(mx, dtype)
+        assert np.array_equal(_bits(cache.values[..., :TOKENS, :]), want.values)
+        assert np.array_equal(_bits(cache.keys[..., :TOKENS, :]), want.keys)
+        assert np.array_equal(_bits(cache.keys[..., TOKENS, :]),
+                              _bits(mx.ones((1, 8, 128), dtype=getattr(mx, dtype))))
 
 
 @pytest.mark.skipif(crc32_combine is None, reason="body crcs are combined with ISA-L's")
