@@ -194,9 +194,9 @@ def from_cache_layer(layer: CacheLayer) -> Any:
 
 
 def _rebuild(layer: CacheLayer) -> tuple[Any, list[mx.array]]:
-    """``from_cache_layer``'s cache, and the buffers with room it holds, to be evaluated
-    before its first step: evaluated, a bf16 view lets go of its input (the uint16
-    buffer), so that no other array shares the memory decode writes in place."""
+    """``from_cache_layer``'s cache and the buffers with room it holds, which the caller
+    evaluates before the first step: once evaluated, a bf16 view lets go of its input
+    (the uint16 buffer), so no other array shares the memory decode writes in place."""
     if layer.dtype not in _MX_DTYPES:
         raise HandoffError(f"unsupported KV dtype {layer.dtype!r}")
     received = _with_room(layer)
