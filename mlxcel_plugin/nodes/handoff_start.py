@@ -97,15 +97,16 @@ class HandoffStarter:
             return CHECKSUM_OF_ENCODED
         return CHECKSUM_OF_HELD
 
-    def chunk_bounds(self, target: str, codec: str) -> tuple[int, int]:
-        """(chunk_bytes, max_body_bytes) of a handoff to ``target``: raw chunks up to
-        ``LARGE_CHUNK_BYTES`` where it announced ``LARGE_CHUNK_SERDE_VERSION`` (an 8B model's
-        16 MiB tensor in one chunk, not three), else within one record; coded chunks keep to
-        ``record_chunk_bytes`` (their size is the codec pipeline's fill: transfer/config.py)."""
+    def chunk_bounds(self, target: str, codec: str) -> tuple[int, int, int]:
+        """(chunk_bytes, max_body_bytes, the begin's serde version) of a handoff to
+        ``target``: raw chunks up to ``LARGE_CHUNK_BYTES`` where it announced
+        ``LARGE_CHUNK_SERDE_VERSION`` (an 8B model's 16 MiB tensor in one chunk, not three),
+        else within one record; coded chunks keep to ``record_chunk_bytes`` (their size is
+        the codec pipeline's fill: transfer/config.py)."""
         config = self.parts.transfer_config
         if codec == IDENTITY_CODEC and self.links.speaks(target, LARGE_CHUNK_SERDE_VERSION):
-            return config.chunk_bytes, LARGE_CHUNK_BYTES
-        return config.record_chunk_bytes, DEFAULT_MAX_BODY_BYTES
+            return config.chunk_bytes, LARGE_CHUNK_BYTES, LARGE_CHUNK_SERDE_VERSION
+        return config.record_chunk_bytes, DEFAULT_MAX_BODY_BYTES, SERDE_VERSION
 
     def select(self, job: NodeJob, streaming: bool) -> TransferChoice:
         payload = self.fingerprint.kv_bytes(len(job.request.prompt_tokens) - job.prefix_tokens)
@@ -117,15 +118,13 @@ class HandoffStarter:
     def begin(self, job: NodeJob, epoch: int, choice: TransferChoice, streaming: bool,
               first_token: int = 0) -> OutgoingHandoff:
         job.choice = choice
-        chunk_bytes, body_bound = self.chunk_bounds(job.target, choice.codec)
+        chunk_bytes, body_bound, version = self.chunk_bounds(job.target, choice.codec)
         strategy = make_strategy(choice.strategy, choice.codec,
                                  self.parts.strategies, self.parts.codecs,
                                  chunk_bytes=chunk_bytes, lanes=choice.lanes,
                                  max_body_bytes=body_bound)
         # In the target's dtype where it is narrower (kv_serde/convert.py): a smaller wire.
         strategy = casting(strategy, self.fingerprint.dtype, self.wire_dtype(job.target))
-        large = body_bound > DEFAULT_MAX_BODY_BYTES
-        version = LARGE_CHUNK_SERDE_VERSION if large else SERDE_VERSION
         header = self.header(job, epoch, first_token, choice.codec, version)
         self.record_choice(job, choice, header, chunk_bytes)
         handoff = OutgoingHandoff(header, strategy, job.target, encoder=self.encoder)
