@@ -7,7 +7,7 @@ and on which lane each message goes.
 
 from mlxcel_plugin.kv_codecs import CodecError, CorruptChunk, UnknownCodec
 from mlxcel_plugin.kv_serde.assemble import assemble_messages
-from mlxcel_plugin.kv_serde.assembler import AssemblerLimits, KVAssembler
+from mlxcel_plugin.kv_serde.assembler import KVAssembler
 from mlxcel_plugin.kv_serde.delta import can_ship_delta, delta_layer
 from mlxcel_plugin.kv_serde.errors import (
     AdoptFailed,
@@ -32,6 +32,7 @@ from mlxcel_plugin.kv_serde.header import (
     ModelFingerprint,
     SerializableSamplingState,
 )
+from mlxcel_plugin.kv_serde.limits import AssemblerLimits
 from mlxcel_plugin.kv_serde.messages import (
     AckHeader,
     ChunkHeader,

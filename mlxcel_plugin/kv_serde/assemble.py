@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mlxcel_plugin.kv_codecs import KVCodec
-from mlxcel_plugin.kv_serde.assembler import AssemblerLimits, KVAssembler
+from mlxcel_plugin.kv_serde.assembler import KVAssembler
 from mlxcel_plugin.kv_serde.errors import TruncatedLayer
 from mlxcel_plugin.kv_serde.header import ModelFingerprint
+from mlxcel_plugin.kv_serde.limits import AssemblerLimits
 from mlxcel_plugin.kv_serde.messages import KVMessage
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
 

@@ -2,7 +2,8 @@
 
 Every check that bounds memory runs before the allocation it guards: the begin
 is refused unless the whole cache it implies fits ``max_bytes``; a layer's
-buffers are allocated on its first chunk, once its descriptor is checked.
+buffers are allocated at the begin where it implies the layer's shape
+(``expected_layers``), else on its first chunk, once its descriptor is checked.
 
 The I/O layer may ask ``chunk_destination`` where a raw chunk's bytes belong
 and have the link decrypt the body there (handing over its crc32, taken as it
@@ -15,7 +16,6 @@ adopter (e.g. MLX arrays) at once: both overlap the rest of the transfer.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,28 +35,16 @@ from mlxcel_plugin.kv_serde.errors import (
     TruncatedLayer,
     UnexpectedMessage,
 )
+from mlxcel_plugin.kv_serde.expected_layers import expected_layers
 from mlxcel_plugin.kv_serde.header import CHECKSUM_OF_ENCODED, HandoffHeader, ModelFingerprint
 from mlxcel_plugin.kv_serde.landing import ChunkKey, LandedDecode, landing_for
 from mlxcel_plugin.kv_serde.layer_buffers import LayerStock, layer_allocation
 from mlxcel_plugin.kv_serde.layer_spec import ArraySpec
+from mlxcel_plugin.kv_serde.limits import AssemblerLimits
 from mlxcel_plugin.kv_serde.messages import ChunkHeader, EndHeader, KVMessage, LayerDescriptor
 from mlxcel_plugin.kv_serde.receive_memory import ReceiveMemory
 from mlxcel_plugin.kv_serde.received_layer import ReceivedLayer
 from mlxcel_plugin.kv_serde.state import SerializableCacheState
-from mlxcel_plugin.kv_serde.versions import LARGE_CHUNK_BYTES
-
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class AssemblerLimits:
-    max_bytes: int = 8 * GIB  # decoded K/V bytes one handoff may allocate
-    max_prompt_tokens: int = 1 << 20
-    # Encoded body of one chunk (senders keep to one record's 8 MiB − 64 KiB unless this node
-    # announced LARGE_CHUNK_SERDE_VERSION).
-    max_body_bytes: int = LARGE_CHUNK_BYTES
-    # Decoded bytes of one chunk: bounds a codec's output (int4 expands ≈3.5×).
-    max_chunk_raw_bytes: int = LARGE_CHUNK_BYTES
 
 
 class KVAssembler:
@@ -86,6 +74,7 @@ class KVAssembler:
         self.received_bytes = 0
         self._codec: KVCodec | None = None
         self._layers: dict[int, ReceivedLayer] = {}
+        self._expected: dict[int, int] = {}  # index -> bytes, of layers readied at the begin
         self._landing: dict[ChunkKey, LandedDecode] = {}  # coded chunks decoded where they land
         # id(raw header) -> (raw, checked ChunkHeader, its rows' views; None: coded) of chunks
         # given a destination (rows claimed): feed takes them for the same header object.
@@ -131,11 +120,8 @@ class KVAssembler:
 
     def expire(self) -> None:
         """Give up (transfer timeout): raise TruncatedLayer naming what is missing, free buffers."""
-        missing = [
-            index
-            for index in range(self.local.num_layers)
-            if index not in self._layers or not self._layers[index].complete
-        ]
+        missing = [i for i in range(self.local.num_layers)
+                   if i not in self._layers or not self._layers[i].complete]
         progress = self.progress()
         self._fail()
         raise TruncatedLayer(f"handoff timed out; incomplete layers {missing[:16]}; {progress}")
@@ -162,6 +148,7 @@ class KVAssembler:
         # Drop the buffers now: a refused handoff must not pin memory until GC.
         self._state = "failed"
         self._layers.clear()
+        self._expected.clear()
         self._landing.clear()
         self._placed.clear()
         self._stock.release()
@@ -185,6 +172,21 @@ class KVAssembler:
         self._check_budget(header)
         self.header = header
         self._state = "receiving"
+        self._ready_expected(header)
+
+    def _ready_expected(self, header: HandoffHeader) -> None:
+        """Allocate now each layer whose shape the begin implies (``expected_layers``), in the
+        engine's own buffers: a pool's go back to it as each layer is adopted by copying."""
+        if self.memory.make_buffers is None:
+            return
+        for index, descriptor in expected_layers(self.local, header):
+            before = self.allocated_bytes
+            try:
+                check_delta_layer(index, descriptor, header)
+                self._allocate(index, descriptor)
+            except HandoffError:  # left to the chunks, which meet the same checks
+                return
+            self._expected[index] = self.allocated_bytes - before
 
     def _same_begin(self, message: KVMessage) -> bool:
         try:
@@ -323,10 +325,14 @@ class KVAssembler:
         if chunk.layer >= fp.num_layers:
             raise LayerCountMismatch(f"chunk for layer {chunk.layer} of {fp.num_layers}")
         existing = self._layers.get(chunk.layer)
-        if existing is not None:
-            if existing.descriptor != chunk.descriptor:
-                raise UnexpectedMessage(f"layer {chunk.layer} descriptor changed between chunks")
+        readied = self._expected.pop(chunk.layer, None)  # its first chunk is this one
+        if existing is not None and existing.descriptor == chunk.descriptor:
             return existing
+        if existing is not None and readied is None:
+            raise UnexpectedMessage(f"layer {chunk.layer} descriptor changed between chunks")
+        if existing is not None:  # readied for another shape than the sender's
+            del self._layers[chunk.layer]
+            self.allocated_bytes -= readied
         descriptor = chunk.descriptor
         prompt_length = self._begun().prompt_length
         if not descriptor.tokens <= descriptor.offset <= prompt_length:

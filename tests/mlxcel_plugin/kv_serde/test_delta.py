@@ -26,7 +26,7 @@ from mlxcel_plugin.kv_serde import (
     assemble_messages,
     delta_layer,
 )
-from mlxcel_plugin.kv_serde.assembler import AssemblerLimits
+from mlxcel_plugin.kv_serde.limits import AssemblerLimits
 from mlxcel_plugin.link.protocol.frames import MalformedFrame, Request
 from mlxcel_plugin.nodes.handoff_policy import delta_prefix_tokens, retries_in_full
 from mlxcel_plugin.testing.caches import make_cache, make_fingerprint, make_header

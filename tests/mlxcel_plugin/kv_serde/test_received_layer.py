@@ -161,6 +161,43 @@ def test_a_handoffs_layers_take_the_engines_buffers_in_one_call_within_the_budge
     assert_caches_equal(result.cache, cache)
 
 
+def test_the_begin_readies_every_plain_layers_buffers_and_the_chunks_land_in_them():
+    """A plain K/V layer's shape follows from the begin: its buffers are taken then (while the
+    sender's prefill runs), so the first chunk finds them ready and no chunk allocates."""
+    messages, cache = handoff()
+    memory, adopter = EngineMemory(), CopyingAdopter()
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffers=memory), adopt=adopter)
+    assembler.feed(messages[0])  # the begin
+    assert memory.calls == 1 and len(memory.made) == 2 * FP.num_layers
+    assert assembler.allocated_bytes == sum(b.nbytes for b in memory.made)
+    result = [r for r in map(assembler.feed, messages[1:]) if r is not None][0]
+    assert memory.calls == 1
+    landed = {id(b) for b in memory.made}
+    assert all({id(seen.keys), id(seen.values)} <= landed for seen in adopter.seen)
+    assert_caches_equal(result.cache, cache)
+
+
+def test_a_layer_its_sender_describes_otherwise_than_the_begin_implies_is_allocated_anew():
+    messages, cache = handoff()
+    for message in messages:  # layer 1 arrives with meta the begin could not foresee
+        if message.kind == "chunk" and message.header["layer"] == 1:
+            message.header["layer_meta"] = {"from": "elsewhere"}
+    memory = EngineMemory()
+    assembler = KVAssembler(FP, CODECS, memory=ReceiveMemory(make_buffers=memory))
+    assembler.feed(messages[0])
+    readied = [weakref.ref(b) for b in memory.made]
+    layer_bytes = assembler.allocated_bytes // FP.num_layers
+    memory.made.clear()
+    result = [r for r in map(assembler.feed, messages[1:]) if r is not None][0]
+    gc.collect()
+    assert memory.calls == 2 and len(memory.made) == 2  # layer 1's own K and V
+    assert sum(ref() is None for ref in readied) == 2  # what was readied for it is let go
+    assert assembler.allocated_bytes == FP.num_layers * layer_bytes  # the readied one's went
+    assert result.cache.layers[1].meta == {"from": "elsewhere"}
+    assert [(layer.keys.tobytes(), layer.values.tobytes()) for layer in result.cache.layers] == [
+        (layer.keys.tobytes(), layer.values.tobytes()) for layer in cache.layers]
+
+
 def test_a_refused_handoff_drops_the_buffers_taken_ahead():
     messages, _ = handoff()
     memory = EngineMemory()

@@ -65,36 +65,37 @@ def test_round_trip_is_exact(strategy, codec, tokens, dtype):
     assert result.header == header
 
 
-def test_full_releases_everything_at_finish():
+def test_full_sends_its_begin_at_once_and_every_chunk_at_finish():
+    """The begin goes while prefill computes (the decode node readies its buffers then);
+    no K/V goes before prefill ends."""
     fingerprint = make_fingerprint(3, 2, 64, "float16")
     cache = make_cache(fingerprint, 30)
     strategy = FullTransfer(options())
-    assert strategy.start(make_header(fingerprint, 30)) == []
+    assert [m.kind for m in strategy.start(make_header(fingerprint, 30))] == ["begin"]
     assert all(strategy.add_layer(i, layer) == [] for i, layer in enumerate(cache.layers))
     kinds = [m.kind for m in strategy.finish()]
-    assert kinds[0] == "begin" and kinds[-1] == "end" and set(kinds[1:-1]) == {"chunk"}
+    assert kinds[-1] == "end" and set(kinds[:-1]) == {"chunk"}
 
 
 def test_full_sends_layers_as_they_are_encoded_once_the_prefill_has_ended():
     """Layers encoded while prefill computes stay held; after ``prefill_ended`` the held ones
-    and then each later layer go out as encoded, begin first; the cache arrives whole."""
+    and then each later layer go out as encoded, behind the begin; the cache arrives whole."""
     fingerprint = make_fingerprint(4, 2, 64, "float16")
     cache = make_cache(fingerprint, 30)
     header = make_header(fingerprint, 30)
     strategy = FullTransfer(options())
-    assert strategy.start(header) == []
+    begin = strategy.start(header)
     assert strategy.add_layer(0, cache.layers[0]) == []
     strategy.prefill_ended()
     first = strategy.add_layer(1, cache.layers[1])
-    assert first[0].kind == "begin"
-    assert [m.header["layer"] for m in first[1:]] == sorted(m.header["layer"] for m in first[1:])
-    assert {m.header["layer"] for m in first[1:]} == {0, 1}
+    assert [m.header["layer"] for m in first] == sorted(m.header["layer"] for m in first)
+    assert {m.header["layer"] for m in first} == {0, 1}
     later = [strategy.add_layer(i, cache.layers[i]) for i in (2, 3)]
     assert [{(m.kind, m.header["layer"]) for m in batch} for batch in later] == [
         {("chunk", 2)}, {("chunk", 3)}]
     end = strategy.finish()
     assert [m.kind for m in end] == ["end"]
-    result = assemble([*first, *later[0], *later[1], *end], fingerprint)
+    result = assemble([*begin, *first, *later[0], *later[1], *end], fingerprint)
     assert_caches_equal(result.cache, cache)
 
 
