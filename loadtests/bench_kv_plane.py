@@ -26,7 +26,10 @@ end of prefill to the decode node's ack, ``mlxcel:handoff_time_seconds``; a
 streaming strategy from the submit, since its rows leave while prefill fills),
 x link, x bare AES-GCM, CPU-s per GiB of raw KV on each side over that window
 (baselines: their own rusage; nodes: their CPU clocks, ``harness.proc_cpu_s``, sampled
-every 5 ms; the decode node's on to its first token, less the median CPU of its next
+every 5 ms; the decode node's from the submit, when its begin comes and the buffers of the
+layers it implies are allocated (kv_serde/expected_layers.py), on to its first token,
+less its idle background over the prefill (measured for 2 s after the warm-up with nothing
+to do: "decode_idle_ms_per_s" in the JSON) and less the median CPU of its next
 three decode steps over the same cache, shown as "step CPU s": the model's own
 attention, not the handoff's, and at 2k tokens more than twice the handoff's whole
 receive here, so one step's noise swung the ratio by a fifth), and

@@ -216,7 +216,8 @@ async def measure_link(link: str, rate: float | None, nodes: NodeSet, ends: Endp
                               run.itl["handoffs"], run.itl["quiet_s"], run.rng)
         print({"link": link, "itl_gaps": {k: len(v) if isinstance(v, list) else v
                                            for k, v in itl.items()}}, flush=True)
-    return {"link": link, "rate_bits": rate, "proof": proof, "rows": rows, "itl": itl}
+    return {"link": link, "rate_bits": rate, "proof": proof, "rows": rows, "itl": itl,
+            "decode_idle_ms_per_s": round(1000 * nodes.idle_cpu.get("all", 0.0), 2)}
 
 
 async def run_loopback(run: LinkRun) -> dict[str, Any]:

@@ -33,6 +33,7 @@ VOCAB = 1000  # prompts draw ids below the synthetic model's vocabulary (1024)
 # then three plain steps, whose median CPU is what the first is charged for its model.
 TOKENS = 5
 STREAM_TOKENS = 4096  # an ITL stream's max_tokens: more than a window's steps
+IDLE_S = 2.0  # how long the decode node's idle background is measured (measure_idle)
 SETTLE_S = 1.0  # after an ITL window's streams all joined: the join's step is behind them
 QUIET_LEAD_S = 1.5  # a quiet window's start after SETTLE_S, until a handoff's prefill is timed
 CONFIGS: dict[str, dict[str, Any]] = {  # name -> [transfer] table
@@ -65,6 +66,9 @@ class NodeSet:
     decode: NodeProcess
     prefills: dict[str, NodeProcess]
     urls: dict[str, str]  # node name -> ops URL ("decode", config names)
+    # The decode node's CPU seconds per second with nothing to do (its timers), by thread
+    # role and "all": ``measure_idle``.
+    idle_cpu: dict[str, float] = field(default_factory=dict)
 
     def pids(self, config: str) -> list[int]:
         return [self.prefills[config].process.pid, self.decode.process.pid]
@@ -135,12 +139,16 @@ def netns_nodes(model: str, nodes: Any, configs: list[str], placement: Placement
 class Handoff:
     """One request through prefill -> handoff -> decode's first token.
 
-    ``transfer_s`` and ``cpu_s`` cover the transfer: for Full, from the end of prefill to
-    the decode node's ack (the prefill node's ``mlxcel:handoff_time_seconds``); a streaming
-    strategy sends rows while prefill still fills, so for it they run from the submit (the
-    zero-compute prefill's fill included). The decode node's CPU runs on to its first token
-    (receiving, adopting into MLX, and that token's decode step), less ``step_cpu_s``: the
-    median CPU of its next decode steps over the same cache (the model's attention over the KV,
+    ``transfer_s`` and the prefill node's ``cpu_s`` cover the transfer: for Full, from the
+    end of prefill to the decode node's ack (the prefill node's
+    ``mlxcel:handoff_time_seconds``); a streaming strategy sends rows while prefill still
+    fills, so for it they run from the submit (the zero-compute prefill's fill included).
+    The decode node's CPU runs from the submit for every strategy (every begin comes then,
+    and the receive buffers of the layers it implies are allocated then:
+    kv_serde/expected_layers.py) on to its first token (receiving, adopting into MLX, and
+    that token's decode step), less its idle background over the prefill
+    (``NodeSet.idle_cpu``: its timers, not the handoff's) and less ``step_cpu_s``: the median
+    CPU of its next decode steps over the same cache (the model's attention over the KV,
     which any node pays per token: not the handoff's work; the first step's extra work, such
     as copying what it adopted, stays counted).
     """
@@ -177,7 +185,7 @@ def prompt(tokens: int, rng: random.Random) -> list[int]:
 
 
 async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request_id: str,
-                      tokens: int, rng: random.Random) -> Handoff:
+                      tokens: int, rng: random.Random, idle: dict[str, float]) -> Handoff:
     before = handoff_totals(url)
     start = time.perf_counter()
     outcome = await driver.generate(request_id, prompt(tokens, rng), TOKENS,
@@ -193,12 +201,13 @@ async def one_handoff(driver: LinkDriver, url: str, sampler: CpuSampler, request
     choice = transfer["last_choice"]
     begin = prefilled if choice.get("strategy") == "full" else start
     step_cpu = median(sampler.between(a, b)[1] for a, b in steps)
-    cpu = [sampler.between(begin, acked)[0],
-           sampler.between(begin, max(decoded, acked))[1] - step_cpu]
-    window = sampler.threads_between(begin, max(decoded, acked))
+    waited = prefilled - start  # the decode node's wait for the end of prefill
+    cpu = [sampler.between(begin, acked)[0], sampler.between(start, max(decoded, acked))[1]
+           - step_cpu - idle.get("all", 0.0) * waited]
+    window = sampler.threads_between(start, max(decoded, acked))
     step_threads = [sampler.threads_between(a, b) for a, b in steps]
     threads = {role: seconds - median(s.get(role, 0.0) for s in step_threads)
-               for role, seconds in window.items()}
+               - idle.get(role, 0.0) * waited for role, seconds in window.items()}
     return Handoff(int(choice["payload_bytes"]), after[1] - before[1], prefilled - start,
                    acked - begin, decoded - start, decoded - acked, cpu, step_cpu, choice,
                    transfer.get("last_reader_busy_share"), threads)
@@ -209,14 +218,29 @@ async def handoffs(nodes: NodeSet, config: str, tokens: int, repeats: int,
     with CpuSampler(nodes.pids(config), threads_of=nodes.decode.process.pid) as sampler:
         async with nodes.driver(config) as driver:
             return [await one_handoff(driver, nodes.urls[config], sampler,
-                                      f"{config}-{tokens}-{i}-{rng.random():.6f}", tokens, rng)
+                                      f"{config}-{tokens}-{i}-{rng.random():.6f}", tokens, rng,
+                                      nodes.idle_cpu)
                     for i in range(repeats)]
 
 
 async def warm_up(nodes: NodeSet, tokens: int, rng: random.Random) -> None:
-    """One small handoff per prefill node: links dialled, compile caches warm."""
+    """One small handoff per prefill node: links dialled, compile caches warm; then the
+    decode node's idle background (``measure_idle``)."""
     for config in nodes.prefills:
         await handoffs(nodes, config, tokens, 1, rng)
+    nodes.idle_cpu = await measure_idle(nodes.decode.process.pid)
+
+
+async def measure_idle(pid: int, seconds: float = IDLE_S) -> dict[str, float]:
+    """A node's CPU seconds per second with no request (uvicorn's ticks, telemetry, the loop
+    watchdog: 3.5-4 ms a second here), in all and by thread role."""
+    await asyncio.sleep(SETTLE_S)  # the warm-up's stragglers: its link closing, its frees
+    with CpuSampler([pid], threads_of=pid) as sampler:
+        start = time.perf_counter()
+        await asyncio.sleep(seconds)
+        end = time.perf_counter()
+    rates = {role: s / seconds for role, s in sampler.threads_between(start, end).items()}
+    return {**rates, "all": sampler.between(start, end)[0] / seconds}
 
 
 # ---------------------------------------------------------------- ITL while ingesting
