@@ -19,6 +19,10 @@ class ByteBudget:
             await self._changed.wait()
         self.used += n
 
+    def take(self, n: int) -> None:
+        """Count ``n`` bytes without waiting (what the caller sends whatever the budget holds)."""
+        self.used += n
+
     def try_acquire(self, n: int) -> bool:
         if not self._fits(n):
             return False

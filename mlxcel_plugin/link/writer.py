@@ -63,6 +63,7 @@ class LinkWriter:
         self._drained.set()
         self._control: collections.deque[Frame] = collections.deque()
         self._bulk_writes = 0  # bodies handed to the bulk thread, not yet on the socket
+        self._bulk_bodies = 0  # bodies for the bulk lanes queued or being written
         self._open = True
 
     @property
@@ -76,8 +77,12 @@ class LinkWriter:
         return self._budget.used
 
     async def put(self, frame: Frame, size: int) -> bool:
-        """Queue a frame of ``size`` bytes once the budget has room; False if closed meanwhile."""
-        await self._budget.acquire(size, lambda: self._open)
+        """Queue a frame of ``size`` bytes once the budget has room, or at once where a bulk
+        lane would otherwise idle (``_lane_idle_for``); False if closed meanwhile."""
+        if self._lane_idle_for(frame):
+            self._budget.take(size)
+        else:
+            await self._budget.acquire(size, lambda: self._open)
         if not self._open:
             self._budget.release(size)
             return False
@@ -85,8 +90,10 @@ class LinkWriter:
         return True
 
     def try_put(self, frame: Frame, size: int) -> bool:
-        """Queue a frame now if the budget has room."""
-        if not self._budget.try_acquire(size):
+        """Queue a frame now if the budget has room (or a bulk lane would idle)."""
+        if self._lane_idle_for(frame):
+            self._budget.take(size)
+        elif not self._budget.try_acquire(size):
             return False
         self._enqueue(frame, size)
         return True
@@ -110,7 +117,20 @@ class LinkWriter:
         self._drained.set()
         self._budget.wake_all()
 
+    def _lane_idle_for(self, frame: Frame) -> bool:
+        """Whether ``frame``'s body goes on a bulk lane while fewer bodies than lanes are queued
+        or being written: it is queued whatever the budget holds.
+
+        Why: a body's budget comes back once it is on the socket, and a KV frame carries up
+        to 64 MiB against a 32 MiB budget, so the lanes took turns: one body at a time, the
+        other lanes' threads idle, whatever the link's speed. At most ``lanes`` bodies pass
+        this way, and a KV body is views of the sender's arrays, not a copy."""
+        return (self._bulk is not None and self._on_bulk(frame)
+                and self._bulk_bodies < self._bulk.lanes)
+
     def _enqueue(self, frame: Frame, size: int) -> None:
+        if self._on_bulk(frame):
+            self._bulk_bodies += 1
         self._outbox.append((frame, size))
         self._drained.clear()
         self._outbox_ready.set()
@@ -204,6 +224,7 @@ class LinkWriter:
 
         def written(done: asyncio.Future) -> None:
             self._bulk_writes -= 1
+            self._bulk_bodies -= 1
             self._budget.release(size)
             if done.cancelled():
                 return

@@ -284,3 +284,39 @@ def test_bulk_records_are_sealed_and_opened_only_in_lane_threads(monkeypatch):
     assert seen["seal"] and all(n.startswith(BULK_OUT_THREAD) for n in seen["seal"])
     assert seen["open"] and all(n.startswith(BULK_IN_THREAD) for n in seen["open"])
     assert {n.split("_")[0] for n in seen["open"]} == {BULK_IN_THREAD + "0", BULK_IN_THREAD + "1"}
+
+
+def test_bodies_larger_than_the_send_budget_go_out_on_every_lane_at_once(monkeypatch):
+    """A body's budget comes back once it is on the socket, and a KV frame is larger than the
+    budget: the lanes must still write side by side, not take turns. Each lane's writer
+    waits at a barrier inside its write until the other lane's arrives: taking turns, the
+    first would wait there alone and its link fail."""
+    import threading
+
+    from mlxcel_plugin.link.bulk import BulkChannel
+
+    barrier = threading.Barrier(2, timeout=15)
+    real_write = BulkChannel.write_body
+
+    def write_side_by_side(self, body):
+        if len(body) > RECORD:  # the two big bodies; not small frames
+            barrier.wait()
+        return real_write(self, body)
+
+    monkeypatch.setattr(BulkChannel, "write_body", write_side_by_side)
+
+    async def main():
+        got: list = []
+        config = dataclasses.replace(lanes_config(asked=2, granted=2),
+                                     send_queue_bytes=2 * RECORD)
+        async with await serve(await collect(got), config) as server:
+            link = await dial_link(server.address, SECRET, "prefill", "p1", config=config)
+            bodies = [os.urandom(3 * RECORD), os.urandom(3 * RECORD + 1)]
+            for i, body in enumerate(bodies):
+                await link.send(Frame(FrameType.KV_CHUNK, {"i": i}, body))
+            await wait_for(lambda: len(got) == 3, "both frames")
+            assert [bytes(f.body) for f in got[1:]] == bodies
+            await link.close()
+
+    run(main())
+    assert not barrier.broken
