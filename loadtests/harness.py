@@ -299,5 +299,7 @@ def kv_plane_defaults() -> KVPlaneDefaults:
 
 
 def _lanes_from_cores() -> int:
-    """A lane count of 0 means "from the core count" in the product: one per core, up to 4."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """A lane count of 0 means "from the core count" in the product: one per core this
+    process may run on (the driver sits on the receiving side's cores), up to 4."""
+    from mlxcel_plugin.link.config import default_bulk_lanes
+    return default_bulk_lanes()
