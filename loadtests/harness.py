@@ -281,7 +281,7 @@ class KVPlaneDefaults:
 def kv_plane_defaults() -> KVPlaneDefaults:
     """The product's own defaults, read from the ``LinkConfig`` a prefill node dials decode
     nodes with (``nodes.roles.kv_link_config``; whatever fields it has now)."""
-    from mlxcel_plugin.link.config import LinkConfig
+    from mlxcel_plugin.link.config import LinkConfig, default_bulk_lanes
     from mlxcel_plugin.nodes import roles
 
     make = getattr(roles, "kv_link_config", LinkConfig)
@@ -293,13 +293,9 @@ def kv_plane_defaults() -> KVPlaneDefaults:
     lanes = getattr(config, lane_field) if lane_field else 1
     if callable(lanes):
         lanes = lanes()
-    lanes = int(lanes) if lanes else _lanes_from_cores()
+    # 0 means "from the core count" in the product: one per core this process may run on
+    # (the driver sits on the receiving side's cores), up to 4.
+    lanes = int(lanes) if lanes else default_bulk_lanes()
     where = f"{make.__name__}().{lane_field}" if lane_field else "no lane field: one connection"
     return KVPlaneDefaults(int(record), max(1, lanes), where)
 
-
-def _lanes_from_cores() -> int:
-    """A lane count of 0 means "from the core count" in the product: one per core this
-    process may run on (the driver sits on the receiving side's cores), up to 4."""
-    from mlxcel_plugin.link.config import default_bulk_lanes
-    return default_bulk_lanes()
